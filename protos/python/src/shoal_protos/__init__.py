@@ -1,0 +1,1 @@
+"""Shoal's wire contracts, shared by every service (no service imports another service)."""

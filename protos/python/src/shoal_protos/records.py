@@ -1,0 +1,83 @@
+"""Fleet state in Redis: key names and the msgspec JSON records stored under them.
+
+Every key lives under ``shoal:v1:<cluster>:`` so several clusters, and later versions of these
+records, can share one Redis. Records are JSON so ``redis-cli get`` shows them as they are::
+
+    shoal:v1:<cluster>:engines            SET of engine ids (an index; entries may be stale)
+    shoal:v1:<cluster>:engine:<id>        EngineRecord, expires unless the engine heartbeats
+    shoal:v1:<cluster>:load:<id>          LoadReport, rewritten at least every 100 ms
+
+A stale id in the index is harmless: its ``engine:`` key has expired, so readers skip it and
+remove it from the index.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+KEY_VERSION = "v1"
+
+
+class EngineState(enum.StrEnum):
+    ACTIVE = "ACTIVE"
+    """Takes new requests."""
+    DRAINING = "DRAINING"
+    """Finishes what it runs and takes nothing new (SIGTERM, scale-down)."""
+    DEAD = "DEAD"
+    """Stopped; kept only until the record expires."""
+
+
+class EngineRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    engine_id: str
+    model: str
+    # The engine's PULL socket for ADD/ABORT frames.
+    zmq_address: str
+    # Base URL of /health and /metrics.
+    http_address: str
+    state: EngineState = EngineState.ACTIVE
+    max_model_len: int
+    kv_blocks_total: int = 0
+    pid: int = 0
+    hostname: str = ""
+    protocol_version: int
+    started_at: float
+
+
+class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):
+    engine_id: str
+    # Grows by one with each report, so readers can tell a fresh report from one they saw.
+    seq: int
+    # Wall-clock time (seconds) when the engine wrote the report.
+    time: float
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    # Mean engine step time over the last report period, in milliseconds.
+    step_time_ms: float = 0.0
+
+
+class Keys:
+    """Key names for one cluster."""
+
+    def __init__(self, cluster: str) -> None:
+        if not cluster or ":" in cluster:
+            raise ValueError(f"cluster name {cluster!r} must be non-empty and contain no ':'")
+        self.prefix = f"shoal:{KEY_VERSION}:{cluster}:"
+
+    @property
+    def engines(self) -> str:
+        return self.prefix + "engines"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.prefix}engine:{engine_id}"
+
+    def load(self, engine_id: str) -> str:
+        return f"{self.prefix}load:{engine_id}"
+
+
+json_encoder = msgspec.json.Encoder()
+engine_record_decoder = msgspec.json.Decoder(EngineRecord)
+load_report_decoder = msgspec.json.Decoder(LoadReport)

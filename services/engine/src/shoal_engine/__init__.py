@@ -1,0 +1,1 @@
+"""Shoal's engine service: one vLLM engine, fed and drained over ZeroMQ."""

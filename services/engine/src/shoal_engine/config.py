@@ -1,0 +1,55 @@
+"""Engine service settings: one frozen model, loaded once in ``main`` and passed down."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    """Folder of the Hugging Face model that vLLM loads."""
+
+    served_model_name: str
+    """Name clients use in the OpenAI ``model`` field."""
+
+    engine_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Unique id of this engine within its cluster (the pod name on Kubernetes)."""
+
+    cluster: str = Field(default="default", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Cluster name: prefixes every Redis key, so clusters can share one Redis."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the fleet state."""
+
+    host: str = "127.0.0.1"
+    """Address the ZeroMQ and HTTP sockets bind, and that routers are told to use."""
+
+    zmq_port: int = Field(default=5600, ge=1, le=65535)
+    """Port of the PULL socket that takes ADD and ABORT frames from routers."""
+
+    http_port: int = Field(default=8100, ge=1, le=65535)
+    """Port of ``/health`` and ``/metrics``."""
+
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Longest prompt plus output; defaults to the model's own limit."""
+
+    dtype: str = "bfloat16"
+    """Weights and activations type passed to vLLM."""
+
+    max_num_seqs: int = Field(default=64, ge=1)
+    """Requests vLLM runs in one batch; more wait in its queue."""
+
+    heartbeat_ttl_s: float = Field(default=2.0, gt=0.2)
+    """The engine's Redis record expires this long after its last heartbeat: routers stop
+    dispatching to an engine that died within this time."""
+
+    load_report_interval_s: float = Field(default=0.1, gt=0.0, le=1.0)
+    """How often the load report (and heartbeat) is written to Redis."""
+
+    drain_timeout_s: float = Field(default=30.0, ge=0.0)
+    """On SIGTERM, how long running requests may go on before they are aborted."""
+
+    output_hwm: int = Field(default=10_000, ge=1)
+    """ZeroMQ high-water mark of each output socket (batches queued per router)."""

@@ -1,0 +1,1 @@
+"""ZeroMQ sockets of the engine: requests in, token batches out, each on its own thread."""

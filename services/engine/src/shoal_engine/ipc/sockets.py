@@ -1,0 +1,128 @@
+"""The engine's two ZeroMQ threads.
+
+::
+
+    routers ──PUSH──▶ [PULL] RequestReceiver thread ──decode──▶ loop.call_soon_threadsafe(on_request)
+    asyncio loop (AsyncLLM outputs) ──OutputBatch──▶ SimpleQueue ──▶ OutputSender thread
+                                                                       ──encode──▶ [PUSH per router]
+
+Why threads: the asyncio loop is the one that feeds vLLM and collects its outputs. Receiving,
+decoding, encoding and sending are kept off it, as vLLM's ``EngineCoreProc`` keeps socket IO off
+its model loop; pyzmq releases the GIL while it waits and copies, so these threads cost the loop
+little. Each socket is touched by exactly one thread (ZeroMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+from shoal_protos.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineRequestDecoder,
+    FrameType,
+    OutputBatch,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_STOP = object()
+
+
+class RequestReceiver:
+    """Reads ADD/ABORT frames on a bound PULL socket and hands them to the event loop."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        address: str,
+        loop: asyncio.AbstractEventLoop,
+        on_request: Callable[[AddRequest | AbortRequest], None],
+    ) -> None:
+        self._socket = ctx.socket(zmq.PULL)
+        self._socket.bind(address)
+        self._loop = loop
+        self._on_request = on_request
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="shoal-zmq-in", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        decoder = EngineRequestDecoder()
+        sock = self._socket
+        try:
+            while not self._stopped.is_set():
+                if not sock.poll(_POLL_MS):
+                    continue
+                frames = sock.recv_multipart(copy=False)
+                if len(frames) != 2:
+                    logger.warning("dropping message with %d frames (want 2)", len(frames))
+                    continue
+                try:
+                    message = decoder.decode(frames[0].bytes, frames[1].buffer)
+                except msgspec.DecodeError as exc:
+                    logger.warning("dropping undecodable frame: %s", exc)
+                    continue
+                self._loop.call_soon_threadsafe(self._on_request, message)
+        finally:
+            sock.close(linger=0)
+
+
+class OutputSender:
+    """Encodes and sends output batches, one PUSH socket per router address."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], hwm: int) -> None:
+        self._ctx = ctx
+        self._hwm = hwm
+        self._queue: queue.SimpleQueue[tuple[str, OutputBatch] | object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="shoal-zmq-out", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, reply_to: str, batch: OutputBatch) -> None:
+        """Queue a batch; called from the event loop, returns at once."""
+        self._queue.put((reply_to, batch))
+
+    def stop(self) -> None:
+        """Send what is queued, then close the sockets."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        sockets: dict[str, zmq.Socket[bytes]] = {}
+        outputs_tag = FrameType.OUTPUTS.value
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    return
+                assert isinstance(item, tuple)
+                reply_to, batch = item
+                sock = sockets.get(reply_to)
+                if sock is None:
+                    sock = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.SNDHWM, self._hwm)
+                    # Do not hang shutdown on a router that went away.
+                    sock.setsockopt(zmq.LINGER, 1000)
+                    sock.connect(reply_to)
+                    sockets[reply_to] = sock
+                    logger.info("connected output socket to router %s", reply_to)
+                sock.send_multipart((outputs_tag, encoder.encode(batch)), copy=False)
+        finally:
+            for sock in sockets.values():
+                sock.close()

@@ -1,0 +1,201 @@
+"""Entry point of one engine: ``shoal-engine --model PATH --served-model-name NAME ...``.
+
+Start-up order: load the model (vLLM), bind the ZeroMQ sockets, serve HTTP, then register in
+Redis, so routers only see an engine that can take requests. SIGTERM reverses it: the record
+turns DRAINING (routers stop sending), running requests get ``drain_timeout_s`` to finish and
+are then aborted with a reason, the keys are removed, vLLM shuts down, and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+import redis.asyncio as aioredis
+import uvicorn
+import zmq
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from shoal_protos.messages import PROTOCOL_VERSION
+from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport
+
+from shoal_engine.backend import BackendDeadError, EngineBackend
+from shoal_engine.config import EngineConfig
+from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
+from shoal_engine.metrics import EngineMetrics
+from shoal_engine.registry import EngineRegistration
+from shoal_engine.serving import EngineService
+
+logger = logging.getLogger("shoal.engine")
+
+
+def parse_args(argv: list[str] | None = None) -> EngineConfig:
+    parser = argparse.ArgumentParser(description="Shoal engine: one vLLM engine behind ZeroMQ.")
+    parser.add_argument("--model", required=True, help="model folder")
+    parser.add_argument("--served-model-name", required=True)
+    parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
+    parser.add_argument("--cluster", default="default")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--zmq-port", type=int, default=5600)
+    parser.add_argument("--http-port", type=int, default=8100)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--heartbeat-ttl", type=float, default=2.0)
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    return EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        engine_id=args.engine_id or f"{socket.gethostname()}-{args.zmq_port}",
+        cluster=args.cluster,
+        redis_url=args.redis_url,
+        host=args.host,
+        zmq_port=args.zmq_port,
+        http_port=args.http_port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        heartbeat_ttl_s=args.heartbeat_ttl,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn that leaves signals to ``run``: SIGTERM must drain before HTTP stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def build_http_app(service: EngineService, backend: EngineBackend, metrics: EngineMetrics) -> FastAPI:
+    app = FastAPI(title="Shoal engine", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await backend.check_health()
+        except BackendDeadError as exc:
+            return JSONResponse({"status": "dead", "error": str(exc)}, status_code=503)
+        if service.draining:
+            return JSONResponse({"status": "draining", "requests": service.num_requests}, status_code=503)
+        return JSONResponse({"status": "ok", "requests": service.num_requests})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def run(config: EngineConfig, backend: EngineBackend) -> int:
+    loop = asyncio.get_running_loop()
+    metrics = EngineMetrics(config.engine_id, config.served_model_name)
+    fatal: asyncio.Future[BaseException] = loop.create_future()
+
+    def on_fatal(exc: BaseException) -> None:
+        if not fatal.done():
+            fatal.set_result(exc)
+
+    logger.info("loading %s with vLLM", config.model)
+    started = time.monotonic()
+    info = await backend.start()
+    metrics.kv_blocks_total.set(info.kv_blocks_total)
+    logger.info("model loaded in %.1f s (max_model_len=%d)", time.monotonic() - started, info.max_model_len)
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+    sender = OutputSender(ctx, config.output_hwm)
+    service = EngineService(config.engine_id, backend, sender.send, metrics, on_fatal)
+    zmq_address = f"tcp://{config.host}:{config.zmq_port}"
+    receiver = RequestReceiver(ctx, zmq_address, loop, service.on_request)
+    sender.start()
+    receiver.start()
+
+    http = _HttpServer(uvicorn.Config(
+        build_http_app(service, backend, metrics), host=config.host, port=config.http_port,
+        log_level="warning", lifespan="off",
+    ))
+    http_task = asyncio.create_task(http.serve(), name="http")
+
+    def make_report(seq: int) -> LoadReport:
+        load = backend.load()
+        # Our own count is exact; vLLM's split is as of its last step.
+        active = service.num_requests
+        running = min(load.num_running, active)
+        metrics.running.set(running)
+        metrics.waiting.set(active - running)
+        used = load.kv_blocks_used if active else 0
+        metrics.kv_blocks_used.set(used)
+        return LoadReport(
+            engine_id=config.engine_id, seq=seq, time=time.time(),
+            num_running=running, num_waiting=active - running,
+            kv_blocks_used=used, kv_blocks_free=max(info.kv_blocks_total - used, 0),
+            step_time_ms=load.step_time_ms,
+        )
+
+    redis_client = aioredis.Redis.from_url(config.redis_url)
+    record = EngineRecord(
+        engine_id=config.engine_id, model=config.served_model_name, zmq_address=zmq_address,
+        http_address=f"http://{config.host}:{config.http_port}", max_model_len=info.max_model_len,
+        kv_blocks_total=info.kv_blocks_total, pid=os.getpid(), hostname=socket.gethostname(),
+        protocol_version=PROTOCOL_VERSION, started_at=time.time(),
+    )
+    registration = EngineRegistration(
+        redis_client, Keys(config.cluster), record, config.heartbeat_ttl_s,
+        config.load_report_interval_s, make_report, metrics,
+    )
+    await registration.register()
+    logger.info("engine %s ready: zmq %s, http %s", config.engine_id, zmq_address, record.http_address)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait([stop_task, fatal], return_when=asyncio.FIRST_COMPLETED)
+    exit_code = 0
+    if fatal.done():
+        logger.error("backend died: %s", fatal.result())
+        exit_code = 1
+    else:
+        logger.info("stopping: marking DRAINING in Redis")
+    stop_task.cancel()
+    try:
+        await registration.set_state(EngineState.DRAINING)
+    except (aioredis.RedisError, OSError) as exc:
+        logger.warning("cannot mark DRAINING in Redis: %s", exc)
+    aborted = await service.drain(config.drain_timeout_s if exit_code == 0 else 0.0)
+    if aborted:
+        logger.warning("aborted %d requests still running at shutdown", aborted)
+    await registration.unregister()
+    await redis_client.aclose()
+    receiver.stop()
+    sender.stop()
+    ctx.term()
+    http.should_exit = True
+    await http_task
+    backend.shutdown()
+    logger.info("engine %s stopped", config.engine_id)
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = parse_args(argv)
+    # vLLM is imported only here, so the rest of the package loads without it.
+    from shoal_engine.vllm_backend import VllmBackend
+
+    raise SystemExit(asyncio.run(run(config, VllmBackend(config))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The engine's presence in Redis: its record, heartbeat and load reports.
+
+One task on the event loop writes, every ``load_report_interval_s``, in one pipeline:
+
+* the ``LoadReport`` under ``load:<id>``, expiring after the heartbeat TTL, and
+* a fresh TTL on the ``EngineRecord`` under ``engine:<id>`` (the heartbeat).
+
+If the process dies, both keys expire within the TTL and routers stop dispatching to it. A Redis
+outage does not stop serving: the failed write is counted and logged, and the next tick retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
+
+from shoal_engine.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRegistration:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        record: EngineRecord,
+        ttl_s: float,
+        interval_s: float,
+        make_report: Callable[[int], LoadReport],
+        metrics: EngineMetrics,
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._record = record
+        self._ttl_ms = int(ttl_s * 1000)
+        self._interval_s = interval_s
+        self._make_report = make_report
+        self._metrics = metrics
+        self._seq = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def register(self) -> None:
+        await self._write_record()
+        await self._client.sadd(self._keys.engines, self._record.engine_id)
+        self._task = asyncio.create_task(self._report_forever(), name="load-reports")
+
+    async def set_state(self, state: EngineState) -> None:
+        self._record.state = state
+        await self._write_record()
+
+    async def _write_record(self) -> None:
+        key = self._keys.engine(self._record.engine_id)
+        await self._client.set(key, json_encoder.encode(self._record), px=self._ttl_ms)
+
+    async def _report_forever(self) -> None:
+        engine_id = self._record.engine_id
+        load_key, engine_key = self._keys.load(engine_id), self._keys.engine(engine_id)
+        failing = False
+        while True:
+            self._seq += 1
+            report = self._make_report(self._seq)
+            try:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.set(load_key, json_encoder.encode(report), px=self._ttl_ms)
+                    pipe.pexpire(engine_key, self._ttl_ms)
+                    _, renewed = await pipe.execute()
+                if not renewed:
+                    # The record expired (Redis restarted or we stalled past the TTL): write it again.
+                    await self._write_record()
+                    await self._client.sadd(self._keys.engines, engine_id)
+                if failing:
+                    logger.info("load reports to Redis work again")
+                failing = False
+            except (RedisError, OSError) as exc:
+                self._metrics.load_report_errors.inc()
+                if not failing:
+                    logger.warning("cannot write load report to Redis: %s", exc)
+                failing = True
+            await asyncio.sleep(self._interval_s)
+
+    async def unregister(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        engine_id = self._record.engine_id
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.delete(self._keys.engine(engine_id), self._keys.load(engine_id))
+                pipe.srem(self._keys.engines, engine_id)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            logger.warning("cannot remove engine from Redis (its keys expire by TTL): %s", exc)
+

@@ -1,0 +1,195 @@
+"""The engine's request logic: run requests on the backend, batch their outputs per router.
+
+Each ADD becomes one asyncio task that iterates the backend's output stream. Every new output
+becomes a ``RequestPiece`` appended to the outbox of the request's router. The first piece added
+after a flush schedules the next flush with ``call_soon``: the backend hands out one engine
+step's outputs to all its streams in one pass, the woken tasks run one after another, and the
+flush runs after them, so one step becomes one ``OutputBatch`` per router. The flush only moves
+the batches to the sender thread; encoding and sending happen there.
+
+An ABORT cancels the request's task; cancelling the backend stream aborts the request in the
+backend, and a final ``ABORT`` piece tells the router it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shoal_protos.messages import (
+    AbortRequest,
+    AddRequest,
+    FinishReason,
+    OutputBatch,
+    PieceError,
+    RequestPiece,
+)
+
+from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend
+from shoal_engine.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+SendBatch = Callable[[str, OutputBatch], None]
+
+
+@dataclass(slots=True)
+class _Running:
+    add: AddRequest
+    task: asyncio.Task[None] | None = None
+    abort_reason: str = ""
+
+
+@dataclass(slots=True)
+class _Outbox:
+    pieces: dict[str, list[RequestPiece]] = field(default_factory=dict)
+    scheduled: bool = False
+
+
+class EngineService:
+    def __init__(
+        self,
+        engine_id: str,
+        backend: EngineBackend,
+        send: SendBatch,
+        metrics: EngineMetrics,
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._engine_id = engine_id
+        self._backend = backend
+        self._send = send
+        self._metrics = metrics
+        self._on_fatal = on_fatal
+        self._running: dict[str, _Running] = {}
+        self._outbox = _Outbox()
+        self._step = 0
+        self._draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._running)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def on_request(self, message: AddRequest | AbortRequest) -> None:
+        """Called on the event loop for each decoded frame."""
+        if isinstance(message, AddRequest):
+            self._add(message)
+        else:
+            for request_id in message.request_ids:
+                self.abort(request_id, message.reason)
+
+    def _add(self, add: AddRequest) -> None:
+        if self._draining:
+            self._emit(add.reply_to, RequestPiece(
+                add.request_id, 0, finish_reason=FinishReason.ERROR,
+                error=PieceError("engine_draining", f"engine {self._engine_id} is draining", retryable=True),
+            ))
+            return
+        if add.request_id in self._running:
+            self._emit(add.reply_to, RequestPiece(
+                add.request_id, 0, finish_reason=FinishReason.ERROR,
+                error=PieceError("duplicate_request", f"request {add.request_id} already runs here"),
+            ))
+            return
+        running = _Running(add)
+        self._running[add.request_id] = running
+        self._idle.clear()
+        running.task = asyncio.create_task(self._run(running), name=f"request-{add.request_id}")
+
+    def abort(self, request_id: str, reason: str) -> bool:
+        running = self._running.get(request_id)
+        if running is None or running.task is None:
+            return False
+        running.abort_reason = reason
+        running.task.cancel()
+        return True
+
+    async def _run(self, running: _Running) -> None:
+        add = running.add
+        produced = 0
+        final: RequestPiece | None = None
+        self._metrics.prompt_tokens.inc(len(add.prompt_token_ids))
+        try:
+            stream = self._backend.generate(add.request_id, add.prompt_token_ids, add.sampling)
+            async for out in stream:
+                piece = RequestPiece(
+                    add.request_id,
+                    produced,
+                    token_ids=out.token_ids,
+                    text=out.text,
+                    finish_reason=out.finish_reason,
+                    stop_reason=out.stop_reason,
+                )
+                produced += len(out.token_ids)
+                if out.finish_reason is not None:
+                    piece.num_prompt_tokens = len(add.prompt_token_ids)
+                    final = piece
+                self._emit(add.reply_to, piece)
+            if final is None:
+                # The backend closed the stream without a finish reason; say so.
+                final = RequestPiece(add.request_id, produced, finish_reason=FinishReason.ERROR,
+                                     error=PieceError("stream_ended", "engine stream ended early"))
+                self._emit(add.reply_to, final)
+        except asyncio.CancelledError:
+            final = RequestPiece(
+                add.request_id, produced, finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=len(add.prompt_token_ids),
+                error=PieceError("aborted", running.abort_reason or "aborted"),
+            )
+            self._emit(add.reply_to, final)
+            # Swallow the cancellation: this task exists only for this request.
+        except BackendRequestError as exc:
+            final = RequestPiece(add.request_id, produced, finish_reason=FinishReason.ERROR,
+                                 error=PieceError("invalid_request", str(exc)))
+            self._emit(add.reply_to, final)
+        except BackendDeadError as exc:
+            final = RequestPiece(add.request_id, produced, finish_reason=FinishReason.ERROR,
+                                 error=PieceError("engine_dead", str(exc), retryable=produced == 0))
+            self._emit(add.reply_to, final)
+            self._on_fatal(exc)
+        finally:
+            self._metrics.output_tokens.inc(produced)
+            self._metrics.finished(str(final.finish_reason) if final else "error")
+            del self._running[add.request_id]
+            if not self._running:
+                self._idle.set()
+
+    def _emit(self, reply_to: str, piece: RequestPiece) -> None:
+        outbox = self._outbox
+        outbox.pieces.setdefault(reply_to, []).append(piece)
+        if not outbox.scheduled:
+            outbox.scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        outbox = self._outbox
+        pieces, outbox.pieces, outbox.scheduled = outbox.pieces, {}, False
+        self._step += 1
+        for reply_to, batch_pieces in pieces.items():
+            self._metrics.batch_pieces.observe(len(batch_pieces))
+            self._send(reply_to, OutputBatch(self._engine_id, self._step, batch_pieces))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Take no new requests; wait up to ``timeout_s`` for running ones, abort the rest.
+
+        Returns how many requests were aborted."""
+        self._draining = True
+        if self._running:
+            logger.info("draining: waiting up to %.0f s for %d requests", timeout_s, len(self._running))
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        left = list(self._running)
+        for request_id in left:
+            self.abort(request_id, f"engine {self._engine_id} shut down before the request finished")
+        if left:
+            await self._idle.wait()
+        return len(left)

@@ -1,0 +1,161 @@
+"""``VllmBackend``: the ``EngineBackend`` protocol on vLLM's public ``AsyncLLM``.
+
+vLLM runs its engine core (the model loop) in a process of its own; ``AsyncLLM`` in this process
+detokenizes and hands each request's outputs to ``generate``'s async iterator. Outputs are asked
+for as deltas (``RequestOutputKind.DELTA``), so each iteration carries just the new tokens and
+text. Queue lengths and KV usage come from a stat logger passed to ``AsyncLLM`` (its documented
+hook for custom metrics), called once per engine step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from shoal_protos.messages import FinishReason, SamplingOptions
+from vllm import SamplingParams, TokensPrompt
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+
+from shoal_engine.backend import (
+    BackendDeadError,
+    BackendInfo,
+    BackendLoad,
+    BackendOutput,
+    BackendRequestError,
+)
+from shoal_engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+}
+
+
+class _LoadRecorder(StatLoggerBase):
+    """Keeps the latest scheduler stats in a ``BackendLoad`` the backend owns."""
+
+    def __init__(self, vllm_config: VllmConfig, load: BackendLoad) -> None:
+        self._vllm_config = vllm_config
+        self._load = load
+        self._last_step = 0.0
+        # Exponential moving average of the time between steps while the engine is busy.
+        self._step_ema_ms = 0.0
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: object | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        now = time.monotonic()
+        if scheduler_stats is None:
+            return
+        load = self._load
+        load.num_running = scheduler_stats.num_running_reqs
+        load.num_waiting = scheduler_stats.num_waiting_reqs
+        load.kv_blocks_used = round(scheduler_stats.kv_cache_usage * load.kv_blocks_total)
+        if self._last_step and load.num_running:
+            gap_ms = (now - self._last_step) * 1000.0
+            self._step_ema_ms = gap_ms if not self._step_ema_ms else 0.8 * self._step_ema_ms + 0.2 * gap_ms
+            load.step_time_ms = self._step_ema_ms
+        self._last_step = now
+
+    def log_engine_initialized(self) -> None:
+        blocks = self._vllm_config.cache_config.num_gpu_blocks or 0
+        self._load.kv_blocks_total = blocks
+        logger.info("vLLM engine ready with %d KV blocks", blocks)
+
+
+def to_sampling_params(options: SamplingOptions) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=options.max_tokens,
+        temperature=options.temperature,
+        top_p=options.top_p,
+        top_k=options.top_k,
+        seed=options.seed,
+        stop=list(options.stop) or None,
+        stop_token_ids=list(options.stop_token_ids) or None,
+        ignore_eos=options.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+class VllmBackend:
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._load = BackendLoad()
+        self._llm: AsyncLLM | None = None
+
+    async def start(self) -> BackendInfo:
+        args = AsyncEngineArgs(
+            model=self._config.model,
+            served_model_name=[self._config.served_model_name],
+            dtype=self._config.dtype,
+            max_model_len=self._config.max_model_len,
+            max_num_seqs=self._config.max_num_seqs,
+            disable_log_stats=False,
+            enable_log_requests=False,
+        )
+        load = self._load
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)]
+        )
+        vllm_config = self._llm.vllm_config
+        self._load.kv_blocks_total = vllm_config.cache_config.num_gpu_blocks or 0
+        return BackendInfo(
+            max_model_len=vllm_config.model_config.max_model_len,
+            kv_blocks_total=self._load.kv_blocks_total,
+        )
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
+    ) -> AsyncIterator[BackendOutput]:
+        assert self._llm is not None, "start() first"
+        params = to_sampling_params(sampling)
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        try:
+            async for out in self._llm.generate(prompt, params, request_id):
+                completion = out.outputs[0]
+                reason = completion.finish_reason
+                yield BackendOutput(
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    finish_reason=_FINISH_REASONS.get(reason) if reason else None,
+                    stop_reason=completion.stop_reason,
+                )
+        except EngineDeadError as exc:
+            raise BackendDeadError(str(exc) or "vLLM engine core died") from exc
+        except (VLLMClientError, GracefulHTTPError, ValueError) as exc:
+            raise BackendRequestError(str(exc)) from exc
+        except EngineGenerateError as exc:
+            cause = exc.__cause__
+            raise BackendRequestError(f"{type(cause).__name__}: {cause}" if cause else "generate failed") from exc
+
+    def load(self) -> BackendLoad:
+        return self._load
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise BackendDeadError("engine not started")
+        try:
+            await self._llm.check_health()
+        except EngineDeadError as exc:
+            raise BackendDeadError(str(exc) or "vLLM engine core died") from exc
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None

@@ -1,0 +1,1 @@
+"""Shoal router: the OpenAI-compatible front door of a fleet of engines."""

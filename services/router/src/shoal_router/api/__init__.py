@@ -1,0 +1,1 @@
+"""HTTP surface: FastAPI routes, OpenAI request and response models, error mapping."""

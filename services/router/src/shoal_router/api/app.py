@@ -1,0 +1,281 @@
+"""The router's HTTP surface: OpenAI routes, health, metrics, and the mapping of errors to HTTP.
+
+Every error leaves as OpenAI JSON ``{"error": {"message", "type", "param", "code"}}``. Errors
+found before the first output token get their own status code; an error after streaming began
+becomes a final SSE event with the same JSON (the ``openai`` client raises it as ``APIError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from shoal_router.api.serving import Generation, GenerationHandle
+from shoal_router.core.outputs import RequestDelta
+from shoal_router.errors import RouterError, ServiceUnavailableError
+from shoal_router.ipc.tokenizing import TokenizerClient
+
+logger = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(exc: RouterError, retry_after_s: int = 1) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if isinstance(exc, ServiceUnavailableError) else None
+    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedFieldError):
+        param, message = cause.field, str(cause)
+    elif first.get("type") == "json_invalid":
+        param, message = None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+    elif first.get("type") == "model_attributes_type" or not loc:
+        param, message = None, f"the request body must be a JSON object: {first.get('msg', '')}"
+    else:
+        param = ".".join(loc)
+        message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+    return JSONResponse(body, status_code=400)
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _usage(handle: GenerationHandle) -> dict[str, int]:
+    return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": handle.output_tokens,
+            "total_tokens": handle.prompt_tokens + handle.output_tokens}
+
+
+def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s: int,
+               lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+    app = FastAPI(title="Shoal router", version="0.1.0", lifespan=lifespan)
+    metrics = generation.metrics
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
+        return error_response(exc, retry_after_s)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.middleware("http")
+    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "other")
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        engines = generation.fleet.engines
+        body = {"status": "ok", "redis": generation.fleet.redis_ok,
+                "engines": {eid: str(view.record.state) for eid, view in engines.items()},
+                "models": generation.served_models(), "inflight": generation.inflight}
+        ready = generation.fleet.redis_ok and any(view.dispatchable for view in engines.values())
+        if not ready:
+            body["status"] = "unavailable"
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.engines.clear()
+        for view in generation.fleet.engines.values():
+            metrics.engines.labels(view.record.model, str(view.record.state)).inc()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        created = _now()
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "shoal",
+                 "max_model_len": generation.fleet.max_model_len(name)}
+                for name in generation.served_models()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        generation.check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = await tokenizer.tokenize_text(body.model, body.prompt)
+        else:
+            prompt_ids = list(body.prompt)  # type: ignore[arg-type]
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        return await _generate(request, body, prompt_ids, max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        generation.check_model(body.model)
+        messages = [(m.role, m.text()) for m in body.messages]
+        prompt_ids = await tokenizer.tokenize_chat(body.model, messages)
+        return await _generate(request, body, prompt_ids, body.output_limit(), chat=True)
+
+    async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest,
+                        prompt_ids: list[int], max_tokens: int | None, chat: bool) -> Response:
+        sampling = generation.sampling(
+            body.model, len(prompt_ids), max_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+        handle = generation.start(body.model, prompt_ids, sampling)
+        deltas = handle.deltas()
+        # Wait for the first output before answering, so that an engine refusing the request
+        # still gets an HTTP status of its own rather than an error event in a 200 stream.
+        try:
+            first = await _first_or_disconnect(request, deltas)
+        except BaseException:
+            await deltas.aclose()
+            raise
+        if first is None:
+            await deltas.aclose()
+            return Response(status_code=499)
+        response_id = ("chatcmpl-" if chat else "cmpl-") + handle.request_id.rsplit("-", 1)[-1]
+        if body.stream:
+            return StreamingResponse(
+                _stream(handle, body, first, deltas, response_id, chat),
+                media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await _collect(request, handle, body, first, deltas, response_id, chat)
+
+    async def _stream(handle: GenerationHandle, body: CompletionRequest | ChatCompletionRequest,
+                      first: RequestDelta, deltas: AsyncIterator[RequestDelta], response_id: str,
+                      chat: bool) -> AsyncIterator[bytes]:
+        created = _now()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: RequestDelta, first_chunk: bool = False) -> bytes:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "finish_reason": _finish(delta)}
+            if chat:
+                content: dict[str, Any] = {"content": delta.text}
+                if first_chunk:
+                    content["role"] = "assistant"
+                choice["delta"] = content
+            else:
+                choice["text"] = delta.text
+            if body.return_token_ids:
+                choice["token_ids"] = delta.token_ids
+            payload: dict[str, Any] = {"id": response_id, "object": obj, "created": created,
+                                       "model": body.model, "choices": [choice]}
+            if first_chunk and body.return_token_ids:
+                payload["prompt_token_ids"] = handle._add.prompt_token_ids
+            if body.include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        try:
+            yield chunk(first, first_chunk=True)
+            if not first.finished:
+                async for delta in deltas:
+                    yield chunk(delta)
+            if body.include_usage:
+                yield _sse({"id": response_id, "object": obj, "created": created, "model": body.model,
+                            "choices": [], "usage": _usage(handle)})
+            yield b"data: [DONE]\n\n"
+        except RouterError as exc:
+            logger.warning("request %s failed while streaming: %s", handle.request_id, exc.message)
+            yield _sse(exc.to_body())
+        finally:
+            await _aclose(deltas)
+
+    async def _collect(request: Request, handle: GenerationHandle,
+                       body: CompletionRequest | ChatCompletionRequest, first: RequestDelta,
+                       deltas: AsyncIterator[RequestDelta], response_id: str, chat: bool) -> Response:
+        parts = [first.text]
+        token_ids = list(first.token_ids)
+        last = first
+
+        async def gather() -> None:
+            nonlocal last
+            async for delta in deltas:
+                parts.append(delta.text)
+                token_ids.extend(delta.token_ids)
+                last = delta
+
+        try:
+            if not first.finished:
+                if not await _until_disconnect(request, gather()):
+                    return Response(status_code=499)
+        finally:
+            await _aclose(deltas)
+        text = "".join(parts)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(last)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids
+        return JSONResponse({
+            "id": response_id, "object": "chat.completion" if chat else "text_completion",
+            "created": _now(), "model": body.model, "choices": [choice], "usage": _usage(handle),
+        })
+
+    return app
+
+
+def _finish(delta: RequestDelta) -> str | None:
+    return str(delta.finish_reason) if delta.finish_reason is not None else None
+
+
+async def _aclose(deltas: AsyncIterator[RequestDelta]) -> None:
+    aclose = getattr(deltas, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, work: Awaitable[None]) -> bool:
+    """Run ``work`` unless the client disconnects first; True when the work finished."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait([work_task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task.done() and not work_task.cancelled():
+        work_task.result()  # re-raise the work's error, if any
+        return True
+    return False
+
+
+async def _first_or_disconnect(request: Request, deltas: AsyncIterator[RequestDelta]) -> RequestDelta | None:
+    result: list[RequestDelta] = []
+
+    async def first() -> None:
+        result.append(await anext(deltas))
+
+    if not await _until_disconnect(request, first()):
+        return None
+    return result[0]

@@ -1,0 +1,208 @@
+"""Generation logic shared by ``/v1/completions`` and ``/v1/chat/completions``.
+
+``Generation.start`` checks the model and the context length, picks an engine and sends the ADD
+before any byte of the response is written, so every error known up front gets its own HTTP
+status. ``GenerationHandle.deltas`` then yields the request's output; an engine that refuses the
+request before its first token (it is draining, or died) is replaced by another one. Leaving
+the iteration early (the client went away) aborts the request on its engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from shoal_protos.messages import AddRequest, FinishReason, SamplingOptions
+
+from shoal_router.core.dispatch import EngineView, pick_least_loaded
+from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
+from shoal_router.errors import (
+    ContextLengthError,
+    EngineFailedError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoEngineError,
+    TooManyRequestsError,
+)
+from shoal_router.ipc.engines import EngineClient
+from shoal_router.ipc.fleet import FleetView
+from shoal_router.metrics import RouterMetrics
+
+
+class Generation:
+    """Everything a handler needs to run one generation request."""
+
+    def __init__(
+        self,
+        router_id: str,
+        configured_models: list[str],
+        fleet: FleetView,
+        engines: EngineClient,
+        metrics: RouterMetrics,
+        max_inflight: int,
+        max_attempts: int,
+    ) -> None:
+        self._router_id = router_id
+        self._configured = configured_models
+        self.fleet = fleet
+        self.engines = engines
+        self.metrics = metrics
+        self._max_inflight = max_inflight
+        self.max_attempts = max_attempts
+        self.inflight = 0
+
+    def served_models(self) -> list[str]:
+        return sorted(set(self._configured) | self.fleet.models())
+
+    def check_model(self, model: str) -> None:
+        if model not in self._configured and model not in self.fleet.models():
+            raise ModelNotFoundError(model, self.served_models())
+
+    def sampling(self, model: str, prompt_len: int, max_tokens: int | None, *, temperature: float | None,
+                 top_p: float | None, top_k: int | None, seed: int | None, stop: list[str],
+                 ignore_eos: bool) -> SamplingOptions:
+        max_len = self.fleet.max_model_len(model)
+        if max_len is None:
+            raise NoEngineError(model)
+        if prompt_len >= max_len:
+            raise ContextLengthError(prompt_len, max_tokens or 0, max_len)
+        if max_tokens is None:
+            max_tokens = max_len - prompt_len
+        elif prompt_len + max_tokens > max_len:
+            raise ContextLengthError(prompt_len, max_tokens, max_len)
+        return SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None or top_k == -1 else top_k,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+        )
+
+    def start(self, model: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> GenerationHandle:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
+        if self.inflight >= self._max_inflight:
+            raise TooManyRequestsError(
+                f"this router has {self.inflight} requests in flight (max_inflight_requests); retry later",
+                code="router_busy")
+        handle = GenerationHandle(self, model, f"{self._router_id}-{uuid.uuid4().hex}",
+                                  AddRequest("", prompt_token_ids, sampling, self.engines.reply_to))
+        handle.dispatch()
+        return handle
+
+    def pick(self, model: str, exclude: set[str]) -> EngineView:
+        candidates = [v for v in self.fleet.engines_for(model) if v.engine_id not in exclude]
+        view = pick_least_loaded(candidates)
+        if view is None:
+            raise NoEngineError(model)
+        return view
+
+
+class GenerationHandle:
+    def __init__(self, generation: Generation, model: str, request_id: str, add: AddRequest) -> None:
+        self._gen = generation
+        self.model = model
+        self.request_id = request_id
+        self._add = add
+        add.request_id = request_id
+        self.collector = RequestOutputCollector(request_id)
+        self.arrived = time.monotonic()
+        self._tried: set[str] = set()
+        self._view: EngineView | None = None
+        self._closed = False
+        self._first_token_at: float | None = None
+        self._last_token_at = 0.0
+        self.prompt_tokens = len(add.prompt_token_ids)
+        self.finish_reason: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return self.collector.delivered
+
+    def dispatch(self) -> None:
+        gen = self._gen
+        view = gen.pick(self.model, self._tried)
+        gen.engines.add(view.engine_id, self._add, self.collector)
+        self._tried.add(view.engine_id)
+        self._view = view
+        view.inflight += 1
+        view.sent_since_report += 1
+        if len(self._tried) == 1:
+            gen.inflight += 1
+            gen.metrics.inflight.set(gen.inflight)
+            gen.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+        gen.metrics.dispatched.labels(view.engine_id, self.model).inc()
+
+    def _leave_engine(self) -> None:
+        if self._view is not None:
+            self._view.inflight -= 1
+            self._view = None
+
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
+        """Yield output until the request ends; raises ``EngineFailedError`` on an engine error
+        that is not retried."""
+        gen = self._gen
+        try:
+            while True:
+                delta = await self.collector.get()
+                error = delta.error
+                if (error is not None and error.retryable and self.collector.delivered == 0
+                        and len(self._tried) < gen.max_attempts):
+                    self._leave_engine()
+                    gen.engines.release(self.request_id)
+                    self.collector.reset_for_retry()
+                    gen.metrics.dispatch_retries.inc()
+                    self.dispatch()
+                    continue
+                self._observe(delta)
+                if delta.finished:
+                    self._finish(delta)
+                    if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                        if delta.token_ids:
+                            # Deliver what the engine produced before it failed, then the error.
+                            yield RequestDelta(token_ids=delta.token_ids, text=delta.text)
+                        code = error.code if error else "engine_error"
+                        message = error.message if error else "the engine ended the request with an error"
+                        if code == "invalid_request":
+                            raise InvalidRequestError(message, code=code)
+                        raise EngineFailedError(message, code=code)
+                    yield delta
+                    return
+                yield delta
+        finally:
+            self.close()
+
+    def _observe(self, delta: RequestDelta) -> None:
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        metrics = self._gen.metrics
+        if self._first_token_at is None:
+            self._first_token_at = now
+            metrics.ttft.labels(self.model).observe(now - self.arrived)
+        else:
+            metrics.token_gap.labels(self.model).observe((now - self._last_token_at) / len(delta.token_ids))
+        self._last_token_at = now
+        metrics.output_tokens.labels(self.model).inc(len(delta.token_ids))
+
+    def _finish(self, delta: RequestDelta) -> None:
+        self.finish_reason = str(delta.finish_reason)
+        self._gen.metrics.e2e.labels(self.model, self.finish_reason).observe(time.monotonic() - self.arrived)
+
+    def close(self) -> None:
+        """Release the request; abort it on its engine if it has not finished."""
+        if self._closed:
+            return
+        self._closed = True
+        gen = self._gen
+        if self.collector.finished:
+            gen.engines.release(self.request_id)
+        else:
+            gen.engines.abort(self.request_id, "client disconnected")
+            gen.metrics.e2e.labels(self.model, "client_disconnected").observe(time.monotonic() - self.arrived)
+        self._leave_engine()
+        gen.inflight -= 1
+        gen.metrics.inflight.set(gen.inflight)

@@ -1,0 +1,52 @@
+"""Router settings: one frozen model, loaded once in ``main`` and passed down."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    models: list[str] = Field(default_factory=list)
+    """Model names this router serves. Engines of other models found in Redis are served too;
+    a listed model with no live engine answers 503 instead of 404."""
+
+    cluster: str = Field(default="default", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Cluster name: prefixes every Redis key (must match the engines')."""
+
+    router_id: str = Field(default="router-0", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Unique id of this router; prefixes its request ids."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis holding the fleet state."""
+
+    tokenizer_address: str = "127.0.0.1:50051"
+    """host:port of the gRPC tokenizer service."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP and ZeroMQ sockets bind (and that engines are told to send to)."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port of the OpenAI API."""
+
+    zmq_port: int = Field(default=5700, ge=1, le=65535)
+    """Port of the PULL socket where engines send outputs."""
+
+    fleet_poll_interval_s: float = Field(default=0.1, gt=0.0, le=5.0)
+    """How often the engine registry and load reports are read from Redis."""
+
+    max_inflight_requests: int = Field(default=4096, ge=1)
+    """Requests in flight at once; more are answered 429."""
+
+    engine_send_hwm: int = Field(default=10_000, ge=1)
+    """Frames queued per engine socket before the engine counts as overloaded (503)."""
+
+    tokenizer_timeout_s: float = Field(default=10.0, gt=0.0)
+    """Deadline of each tokenizer call."""
+
+    max_dispatch_attempts: int = Field(default=3, ge=1)
+    """Engines tried for one request when an engine refuses it before producing a token."""
+
+    retry_after_s: int = Field(default=1, ge=1)
+    """``Retry-After`` of 503 answers when no engine can serve."""

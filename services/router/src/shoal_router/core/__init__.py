@@ -1,0 +1,1 @@
+"""Domain logic free of IO: dispatch policy and per-request output ordering."""

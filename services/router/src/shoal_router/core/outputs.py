@@ -1,0 +1,114 @@
+"""Per-request mailboxes: put engine pieces in order, drop repeats, hand them to one reader.
+
+The ingest task calls ``RequestOutputCollector.put`` for every piece of the request, from any
+engine. Pieces carry the index of their first output token, so the collector:
+
+* appends a piece that starts where the delivered tokens end,
+* holds one that starts later until the gap is filled,
+* drops one whose tokens were all delivered already (a repeat after a resend),
+* trims the delivered head off one that overlaps.
+
+The reader (the HTTP handler) takes everything that arrived since its last read in one go, so a
+slow client gets bigger chunks instead of an ever longer queue: the mailbox has one slot, as
+vLLM's ``RequestOutputCollector`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from shoal_protos.messages import FinishReason, PieceError, RequestPiece
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """Everything new for a request since the reader's last ``get``."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    error: PieceError | None = None
+    # The engine that produced the last piece.
+    engine_id: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutputCollector:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.delivered = 0
+        self.finished = False
+        self._pending: RequestDelta | None = None
+        self._held: dict[int, tuple[str, RequestPiece]] = {}
+        self._ready = asyncio.Event()
+
+    def put(self, engine_id: str, piece: RequestPiece) -> None:
+        if self.finished:
+            return
+        end = piece.first_index + len(piece.token_ids)
+        if piece.first_index > self.delivered:
+            self._held[piece.first_index] = (engine_id, piece)
+            return
+        if end <= self.delivered and piece.token_ids:
+            return  # a repeat: every token was delivered already
+        overlap = self.delivered - piece.first_index
+        self._accept(engine_id, piece, overlap)
+        # Pieces held back may now follow on.
+        while self._held and not self.finished:
+            next_piece = self._held.pop(self.delivered, None)
+            if next_piece is None:
+                break
+            self._accept(next_piece[0], next_piece[1], 0)
+
+    def fail(self, error: PieceError) -> None:
+        """End the request with an error from the router's side (for example its engine died)."""
+        if self.finished:
+            return
+        self._accept("", RequestPiece(self.request_id, self.delivered, finish_reason=FinishReason.ERROR,
+                                      error=error), 0)
+
+    def _accept(self, engine_id: str, piece: RequestPiece, overlap: int) -> None:
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = RequestDelta()
+        tokens = piece.token_ids[overlap:] if overlap else piece.token_ids
+        pending.token_ids.extend(tokens)
+        # Text of a partly repeated piece cannot be split by token, so the piece's text is kept
+        # only when none of its tokens were delivered before.
+        if not overlap:
+            pending.text += piece.text
+        pending.engine_id = engine_id
+        self.delivered += len(tokens)
+        if piece.finish_reason is not None:
+            pending.finish_reason = piece.finish_reason
+            pending.stop_reason = piece.stop_reason
+            pending.num_prompt_tokens = piece.num_prompt_tokens
+            pending.error = piece.error
+            self.finished = True
+        self._ready.set()
+
+    def get_nowait(self) -> RequestDelta | None:
+        delta, self._pending = self._pending, None
+        self._ready.clear()
+        return delta
+
+    async def get(self) -> RequestDelta:
+        while self._pending is None:
+            await self._ready.wait()
+        delta = self.get_nowait()
+        assert delta is not None
+        return delta
+
+    def reset_for_retry(self) -> None:
+        """Forget a retryable failure that produced no token, so another engine can take over."""
+        assert self.delivered == 0, "only requests that produced nothing can be retried"
+        self.finished = False
+        self._pending = None
+        self._held.clear()
+        self._ready.clear()

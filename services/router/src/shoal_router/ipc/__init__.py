@@ -1,0 +1,1 @@
+"""IO with the fleet: ZeroMQ to engines, Redis fleet state, gRPC tokenizer."""

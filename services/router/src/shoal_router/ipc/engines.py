@@ -1,0 +1,145 @@
+"""ZeroMQ between this router and the engines.
+
+::
+
+    handler ── add()/abort() ──▶ PUSH socket per engine (non-blocking send)
+    engines ── OutputBatch ──▶ [PULL, bound at reply_to] ── ingest task ──▶ collector.put()
+
+One task reads the PULL socket, decodes each batch and hands every piece to its request's
+collector, yielding to the loop every ``_CHUNK`` pieces so that a burst of large batches does not
+starve the HTTP handlers (``AsyncLLM``'s output handler does the same). Sends never block the
+loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the request is
+answered 503 instead of being queued without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+from shoal_protos.messages import (
+    AbortRequest,
+    AddRequest,
+    FrameType,
+    OutputBatch,
+    PieceError,
+    RouterRequestEncoder,
+)
+
+from shoal_router.core.outputs import RequestOutputCollector
+from shoal_router.errors import ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 256
+
+
+@dataclass(slots=True)
+class _Tracked:
+    collector: RequestOutputCollector
+    engine_id: str
+
+
+class EngineClient:
+    def __init__(self, ctx: zmq.asyncio.Context, reply_to: str, send_hwm: int) -> None:
+        self.reply_to = reply_to
+        # PUSH sockets are plain (not asyncio) sockets of the same context: a NOBLOCK send
+        # either queues at once or raises zmq.Again; it never awaits.
+        self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
+        self._send_hwm = send_hwm
+        self._encoder = RouterRequestEncoder()
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        self._requests: dict[str, _Tracked] = {}
+        self._pull = ctx.socket(zmq.PULL)
+        self._pull.bind(reply_to)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def connect(self, engine_id: str, address: str) -> None:
+        if engine_id in self._sockets:
+            return
+        sock = self._push_ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self._sockets[engine_id] = sock
+
+    def add(self, engine_id: str, request: AddRequest, collector: RequestOutputCollector) -> None:
+        sock = self._sockets.get(engine_id)
+        if sock is None:
+            raise ServiceUnavailableError(f"engine {engine_id} is not connected", code="engine_gone")
+        try:
+            sock.send_multipart(self._encoder.add(request), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise ServiceUnavailableError(
+                f"engine {engine_id} is not taking requests fast enough; retry later",
+                code="engine_overloaded",
+            ) from None
+        self._requests[request.request_id] = _Tracked(collector, engine_id)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        sock = self._sockets.get(tracked.engine_id)
+        if sock is None:
+            return
+        try:
+            sock.send_multipart(self._encoder.abort(AbortRequest([request_id], reason)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("could not send abort of %s to %s: socket full", request_id, tracked.engine_id)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request."""
+        self._requests.pop(request_id, None)
+
+    def engine_of(self, request_id: str) -> str | None:
+        tracked = self._requests.get(request_id)
+        return tracked.engine_id if tracked else None
+
+    def engine_lost(self, engine_id: str, reason: str) -> int:
+        """Fail every request on a dead engine and drop its socket. Returns how many failed."""
+        sock = self._sockets.pop(engine_id, None)
+        if sock is not None:
+            sock.close(linger=0)
+        lost = [rid for rid, t in self._requests.items() if t.engine_id == engine_id]
+        for request_id in lost:
+            tracked = self._requests.pop(request_id)
+            tracked.collector.fail(PieceError(
+                "engine_lost", f"engine {engine_id} {reason} while generating this request",
+                retryable=tracked.collector.delivered == 0,
+            ))
+        return len(lost)
+
+    async def ingest_forever(self) -> None:
+        decoder = msgspec.msgpack.Decoder(OutputBatch)
+        outputs_tag = FrameType.OUTPUTS.value
+        requests = self._requests
+        while True:
+            frames = await self._pull.recv_multipart(copy=False)
+            if len(frames) != 2 or frames[0].bytes != outputs_tag:
+                logger.warning("dropping unexpected message from an engine")
+                continue
+            try:
+                batch = decoder.decode(frames[1].buffer)
+            except msgspec.DecodeError as exc:
+                logger.warning("dropping undecodable output batch: %s", exc)
+                continue
+            for i, piece in enumerate(batch.pieces):
+                tracked = requests.get(piece.request_id)
+                if tracked is not None and tracked.engine_id == batch.engine_id:
+                    tracked.collector.put(batch.engine_id, piece)
+                if i and i % _CHUNK == 0:
+                    await asyncio.sleep(0)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        self._pull.close(linger=0)

@@ -1,0 +1,120 @@
+"""The router's view of the fleet, read from Redis every ``fleet_poll_interval_s``.
+
+Each poll is two round trips: the engine index (a SET), then every engine's record and load
+report in one pipeline. An engine whose record has expired (no heartbeat within its TTL) or says
+DEAD is lost: its socket closes and its requests end with an error. A DRAINING engine keeps its
+requests but gets no new ones. Nothing on the token path waits on Redis; if Redis cannot be read,
+the last view stays in force and the next poll tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+from shoal_protos.messages import PROTOCOL_VERSION
+from shoal_protos.records import (
+    EngineRecord,
+    EngineState,
+    Keys,
+    LoadReport,
+    engine_record_decoder,
+    load_report_decoder,
+)
+
+from shoal_router.core.dispatch import EngineView
+
+logger = logging.getLogger(__name__)
+
+
+class FleetView:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        on_engine_added: Callable[[EngineRecord], None],
+        on_engine_lost: Callable[[str, str], None],
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._on_added = on_engine_added
+        self._on_lost = on_engine_lost
+        self.engines: dict[str, EngineView] = {}
+        self.redis_ok = False
+        self.polls = 0
+
+    def engines_for(self, model: str) -> list[EngineView]:
+        return [view for view in self.engines.values() if view.record.model == model]
+
+    def models(self) -> set[str]:
+        return {view.record.model for view in self.engines.values()}
+
+    def max_model_len(self, model: str) -> int | None:
+        lens = [view.record.max_model_len for view in self.engines_for(model)]
+        return min(lens) if lens else None
+
+    async def refresh(self) -> None:
+        ids = sorted(m.decode() for m in await self._client.smembers(self._keys.engines))
+        async with self._client.pipeline(transaction=False) as pipe:
+            for engine_id in ids:
+                pipe.get(self._keys.engine(engine_id))
+                pipe.get(self._keys.load(engine_id))
+            values = await pipe.execute()
+        seen: set[str] = set()
+        stale: list[str] = []
+        for i, engine_id in enumerate(ids):
+            raw_record, raw_report = values[2 * i], values[2 * i + 1]
+            if raw_record is None:
+                stale.append(engine_id)
+                continue
+            try:
+                record = engine_record_decoder.decode(raw_record)
+                report: LoadReport | None = load_report_decoder.decode(raw_report) if raw_report else None
+            except msgspec.DecodeError as exc:
+                logger.warning("ignoring unreadable record of engine %s: %s", engine_id, exc)
+                continue
+            if record.protocol_version != PROTOCOL_VERSION:
+                logger.warning("ignoring engine %s: protocol %d, router speaks %d",
+                               engine_id, record.protocol_version, PROTOCOL_VERSION)
+                continue
+            if record.state == EngineState.DEAD:
+                continue
+            seen.add(engine_id)
+            self._upsert(record, report)
+        for engine_id in [e for e in self.engines if e not in seen]:
+            del self.engines[engine_id]
+            logger.warning("engine %s left the fleet (heartbeat expired or marked DEAD)", engine_id)
+            self._on_lost(engine_id, "stopped heartbeating")
+        if stale:
+            # Index entries whose record expired; the engine re-adds itself if it comes back.
+            await self._client.srem(self._keys.engines, *stale)
+
+    def _upsert(self, record: EngineRecord, report: LoadReport | None) -> None:
+        view = self.engines.get(record.engine_id)
+        if view is None or view.record.zmq_address != record.zmq_address:
+            if view is not None:
+                self._on_lost(record.engine_id, "restarted at a new address")
+            view = self.engines[record.engine_id] = EngineView(record)
+            self._on_added(record)
+            logger.info("engine %s joined: model %s at %s", record.engine_id, record.model, record.zmq_address)
+        view.record = record
+        if report is not None:
+            view.update_report(report)
+
+    async def poll_forever(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+                if not self.redis_ok:
+                    logger.info("reading fleet state from Redis")
+                self.redis_ok = True
+            except (RedisError, OSError) as exc:
+                if self.redis_ok or self.polls == 0:
+                    logger.warning("cannot read fleet state from Redis: %s", exc)
+                self.redis_ok = False
+            self.polls += 1
+            await asyncio.sleep(interval_s)

@@ -1,0 +1,55 @@
+"""gRPC client of the tokenizer service, mapping its status codes onto router errors."""
+
+from __future__ import annotations
+
+import grpc
+from shoal_protos import tokenizer_pb2 as pb
+from shoal_protos import tokenizer_pb2_grpc as pb_grpc
+
+from shoal_router.errors import InvalidRequestError, RouterError, TokenizerUnavailableError
+
+
+class TokenizerClient:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.TokenizerStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def tokenize_text(self, model: str, text: str) -> list[int]:
+        request = pb.TokenizeRequest(model=model, text=text, add_special_tokens=True)
+        return await self._tokenize(request, param="prompt")
+
+    async def tokenize_chat(self, model: str, messages: list[tuple[str, str]]) -> list[int]:
+        chat = pb.ChatMessages(
+            messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
+            add_generation_prompt=True,
+        )
+        return await self._tokenize(pb.TokenizeRequest(model=model, chat=chat), param="messages")
+
+    async def _tokenize(self, request: pb.TokenizeRequest, param: str) -> list[int]:
+        try:
+            response = await self._stub.Tokenize(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _map_error(exc, param) from None
+        return list(response.token_ids)
+
+    async def model_info(self, model: str) -> pb.ModelInfo:
+        try:
+            return await self._stub.GetModelInfo(pb.ModelInfoRequest(model=model), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _map_error(exc, "model") from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _map_error(exc: grpc.aio.AioRpcError, param: str) -> RouterError:
+    code = exc.code()
+    details = exc.details() or code.name
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+        return InvalidRequestError(details, param=param)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return TokenizerUnavailableError(f"the tokenizer does not serve this model: {details}",
+                                         code="tokenizer_missing_model")
+    return TokenizerUnavailableError(f"tokenizer service unavailable ({code.name}): {details}",
+                                     code="tokenizer_unavailable")

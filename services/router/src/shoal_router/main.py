@@ -1,0 +1,105 @@
+"""Entry point of one router: ``shoal-router --model NAME --port 8000 ...``.
+
+One asyncio loop runs everything: uvicorn's HTTP server, the task that drains the ZeroMQ PULL
+socket into per-request collectors, and the task that reads the fleet from Redis. To scale a
+router, run more router processes (each with its own ``--router-id`` and ZeroMQ port); they
+share the fleet's state through Redis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+import uvicorn
+import uvloop
+import zmq.asyncio
+from fastapi import FastAPI
+from shoal_protos.records import Keys
+
+from shoal_router.api.app import create_app
+from shoal_router.api.serving import Generation
+from shoal_router.config import RouterConfig
+from shoal_router.ipc.engines import EngineClient
+from shoal_router.ipc.fleet import FleetView
+from shoal_router.ipc.tokenizing import TokenizerClient
+from shoal_router.metrics import RouterMetrics
+
+logger = logging.getLogger("shoal.router")
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    parser = argparse.ArgumentParser(description="Shoal router: OpenAI-compatible API over a fleet of engines.")
+    parser.add_argument("--model", action="append", default=[], help="served model name; repeatable")
+    parser.add_argument("--cluster", default="default")
+    parser.add_argument("--router-id", default="router-0")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--tokenizer", default="127.0.0.1:50051", help="host:port of the tokenizer service")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--zmq-port", type=int, default=5700)
+    args = parser.parse_args(argv)
+    return RouterConfig(
+        models=args.model, cluster=args.cluster, router_id=args.router_id, redis_url=args.redis_url,
+        tokenizer_address=args.tokenizer, host=args.host, port=args.port, zmq_port=args.zmq_port,
+    )
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    """Build the app and its clients; call it on the loop that will serve it (gRPC and ZeroMQ
+    asyncio objects belong to the loop they were made on)."""
+    metrics = RouterMetrics()
+    ctx = zmq.asyncio.Context()
+    engines = EngineClient(ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm)
+    redis_client = aioredis.Redis.from_url(config.redis_url)
+
+    def engine_lost(engine_id: str, reason: str) -> None:
+        failed = engines.engine_lost(engine_id, reason)
+        if failed:
+            logger.warning("engine %s %s: %d requests on it end with an error", engine_id, reason, failed)
+
+    fleet = FleetView(redis_client, Keys(config.cluster),
+                      on_engine_added=lambda record: engines.connect(record.engine_id, record.zmq_address),
+                      on_engine_lost=engine_lost)
+    tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
+    generation = Generation(config.router_id, config.models, fleet, engines, metrics,
+                            config.max_inflight_requests, config.max_dispatch_attempts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(engines.ingest_forever(), name="zmq-ingest"),
+                 asyncio.create_task(fleet.poll_forever(config.fleet_poll_interval_s), name="fleet-poll")]
+        logger.info("router %s: outputs on %s, serving %s", config.router_id, engines.reply_to,
+                    ", ".join(config.models) or "every model in the fleet")
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            engines.close()
+            ctx.term()
+            await tokenizer.close()
+            await redis_client.aclose()
+
+    return create_app(generation, tokenizer, config.retry_after_s, lifespan=lifespan)
+
+
+async def serve(config: RouterConfig) -> None:
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(config), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=5))
+    await server.serve()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvloop.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
