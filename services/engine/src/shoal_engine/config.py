@@ -38,6 +38,14 @@ class EngineConfig(BaseModel):
     dtype: str = "bfloat16"
     """Weights and activations type passed to vLLM."""
 
+    enforce_eager: bool = False
+    """Skip vLLM's graph compilation: starts in seconds instead of tens of seconds, decodes
+    somewhat slower. Tests use it."""
+
+    executor_backend: str | None = None
+    """vLLM's ``distributed_executor_backend``: ``uni`` runs the model in the engine-core
+    process (one process fewer to start on a single device); None lets vLLM choose."""
+
     max_num_seqs: int = Field(default=64, ge=1)
     """Requests vLLM runs in one batch; more wait in its queue."""
 

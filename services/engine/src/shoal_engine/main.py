@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
     parser.add_argument("--heartbeat-ttl", type=float, default=2.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
@@ -65,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        executor_backend=args.executor_backend,
         heartbeat_ttl_s=args.heartbeat_ttl,
         drain_timeout_s=args.drain_timeout,
     )

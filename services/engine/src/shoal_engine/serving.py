@@ -8,12 +8,15 @@ flush runs after them, so one step becomes one ``OutputBatch`` per router. The f
 the batches to the sender thread; encoding and sending happen there.
 
 An ABORT cancels the request's task; cancelling the backend stream aborts the request in the
-backend, and a final ``ABORT`` piece tells the router it ended.
+backend. A done-callback on each task sends the final piece when the stream did not (``ABORT``
+on cancellation, ``ERROR`` with a code on a failure) and forgets the request, so this holds even
+for a task cancelled before it ever ran.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +43,8 @@ class _Running:
     add: AddRequest
     task: asyncio.Task[None] | None = None
     abort_reason: str = ""
+    produced: int = 0
+    final: RequestPiece | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +107,7 @@ class EngineService:
         self._running[add.request_id] = running
         self._idle.clear()
         running.task = asyncio.create_task(self._run(running), name=f"request-{add.request_id}")
+        running.task.add_done_callback(functools.partial(self._done, running))
 
     def abort(self, request_id: str, reason: str) -> bool:
         running = self._running.get(request_id)
@@ -112,54 +118,59 @@ class EngineService:
         return True
 
     async def _run(self, running: _Running) -> None:
+        """Stream the request's outputs; the final piece and the clean-up are ``_done``'s."""
         add = running.add
-        produced = 0
-        final: RequestPiece | None = None
         self._metrics.prompt_tokens.inc(len(add.prompt_token_ids))
-        try:
-            stream = self._backend.generate(add.request_id, add.prompt_token_ids, add.sampling)
-            async for out in stream:
-                piece = RequestPiece(
-                    add.request_id,
-                    produced,
-                    token_ids=out.token_ids,
-                    text=out.text,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-                produced += len(out.token_ids)
-                if out.finish_reason is not None:
-                    piece.num_prompt_tokens = len(add.prompt_token_ids)
-                    final = piece
-                self._emit(add.reply_to, piece)
-            if final is None:
-                # The backend closed the stream without a finish reason; say so.
-                final = RequestPiece(add.request_id, produced, finish_reason=FinishReason.ERROR,
-                                     error=PieceError("stream_ended", "engine stream ended early"))
-                self._emit(add.reply_to, final)
-        except asyncio.CancelledError:
-            final = RequestPiece(
-                add.request_id, produced, finish_reason=FinishReason.ABORT,
-                num_prompt_tokens=len(add.prompt_token_ids),
-                error=PieceError("aborted", running.abort_reason or "aborted"),
+        stream = self._backend.generate(add.request_id, add.prompt_token_ids, add.sampling)
+        async for out in stream:
+            piece = RequestPiece(
+                add.request_id,
+                running.produced,
+                token_ids=out.token_ids,
+                text=out.text,
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
             )
+            running.produced += len(out.token_ids)
+            if out.finish_reason is not None:
+                piece.num_prompt_tokens = len(add.prompt_token_ids)
+                running.final = piece
+            self._emit(add.reply_to, piece)
+
+    def _done(self, running: _Running, task: asyncio.Task[None]) -> None:
+        """Runs when a request's task ends in any way, even cancelled before it started, so
+        every request gets exactly one final piece and leaves ``_running``."""
+        add = running.add
+        final = running.final
+        if final is None:
+            final = self._final_piece(running, task)
             self._emit(add.reply_to, final)
-            # Swallow the cancellation: this task exists only for this request.
-        except BackendRequestError as exc:
-            final = RequestPiece(add.request_id, produced, finish_reason=FinishReason.ERROR,
-                                 error=PieceError("invalid_request", str(exc)))
-            self._emit(add.reply_to, final)
-        except BackendDeadError as exc:
-            final = RequestPiece(add.request_id, produced, finish_reason=FinishReason.ERROR,
-                                 error=PieceError("engine_dead", str(exc), retryable=produced == 0))
-            self._emit(add.reply_to, final)
+        self._metrics.output_tokens.inc(running.produced)
+        self._metrics.finished(str(final.finish_reason))
+        del self._running[add.request_id]
+        if not self._running:
+            self._idle.set()
+
+    def _final_piece(self, running: _Running, task: asyncio.Task[None]) -> RequestPiece:
+        add, produced = running.add, running.produced
+
+        def ended(reason: FinishReason, error: PieceError) -> RequestPiece:
+            return RequestPiece(add.request_id, produced, finish_reason=reason,
+                                num_prompt_tokens=len(add.prompt_token_ids), error=error)
+
+        if task.cancelled():
+            return ended(FinishReason.ABORT, PieceError("aborted", running.abort_reason or "aborted"))
+        exc = task.exception()
+        if exc is None:
+            # The backend closed the stream without a finish reason; say so.
+            return ended(FinishReason.ERROR, PieceError("stream_ended", "engine stream ended early"))
+        if isinstance(exc, BackendRequestError):
+            return ended(FinishReason.ERROR, PieceError("invalid_request", str(exc)))
+        if isinstance(exc, BackendDeadError):
             self._on_fatal(exc)
-        finally:
-            self._metrics.output_tokens.inc(produced)
-            self._metrics.finished(str(final.finish_reason) if final else "error")
-            del self._running[add.request_id]
-            if not self._running:
-                self._idle.set()
+            return ended(FinishReason.ERROR, PieceError("engine_dead", str(exc), retryable=produced == 0))
+        logger.error("request %s failed", add.request_id, exc_info=exc)
+        return ended(FinishReason.ERROR, PieceError("internal_error", f"{type(exc).__name__}: {exc}"))
 
     def _emit(self, reply_to: str, piece: RequestPiece) -> None:
         outbox = self._outbox

@@ -106,6 +106,8 @@ class VllmBackend:
             dtype=self._config.dtype,
             max_model_len=self._config.max_model_len,
             max_num_seqs=self._config.max_num_seqs,
+            enforce_eager=self._config.enforce_eager,
+            distributed_executor_backend=self._config.executor_backend,
             disable_log_stats=False,
             enable_log_requests=False,
         )
@@ -124,9 +126,10 @@ class VllmBackend:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
     ) -> AsyncIterator[BackendOutput]:
         assert self._llm is not None, "start() first"
-        params = to_sampling_params(sampling)
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         try:
+            # SamplingParams validates its values: a ValueError here is the request's fault.
+            params = to_sampling_params(sampling)
             async for out in self._llm.generate(prompt, params, request_id):
                 completion = out.outputs[0]
                 reason = completion.finish_reason

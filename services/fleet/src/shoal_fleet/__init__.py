@@ -1,0 +1,1 @@
+"""Local fleet launcher: the whole fleet on one machine, no Kubernetes."""

@@ -1,0 +1,304 @@
+"""Run a whole Shoal fleet on one machine, without Kubernetes.
+
+``Fleet`` writes a supervisord configuration with one program per process (Redis, the tokenizer,
+N engines, the router), starts supervisord in the foreground, and waits until every part is
+ready, printing a line per step:
+
+1. Redis answers PING;
+2. the tokenizer's gRPC health check says SERVING;
+3. every engine has registered itself in Redis as ACTIVE;
+4. the router's ``/health`` is 200.
+
+supervisord does the supervision: logs per program under the run folder, stop on Ctrl-C or
+SIGTERM with a grace period that covers an engine's drain, optional restarts. Engines are bound
+one core each (``VLLM_CPU_OMP_THREADS_BIND``), round-robin over the machine's cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import xmlrpc.client
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import msgspec
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from shoal_protos.records import EngineState, Keys, engine_record_decoder
+from supervisor.xmlrpc import SupervisorTransport
+
+
+class FleetError(RuntimeError):
+    """The fleet could not start; the message names the part and its log file."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    model_path: Path
+    """Folder of the Hugging Face model every engine serves."""
+    served_model_name: str
+    """Name clients use in the OpenAI ``model`` field."""
+    run_dir: Path
+    """Where the supervisord configuration, pid file and logs go."""
+    engines: int = 2
+    """Number of vLLM engines."""
+    cluster: str = "local"
+    """Prefix of every Redis key of this fleet."""
+    host: str = "127.0.0.1"
+    router_port: int = 8000
+    router_zmq_port: int = 5700
+    tokenizer_port: int = 50051
+    redis_port: int = 6379
+    engine_zmq_base_port: int = 5600
+    engine_http_base_port: int = 8100
+    max_model_len: int | None = 2048
+    kv_cache_gib: int = 1
+    """KV cache space per engine (``VLLM_CPU_KVCACHE_SPACE``)."""
+    heartbeat_ttl_s: float = 2.0
+    drain_timeout_s: float = 20.0
+    enforce_eager: bool = False
+    """Skip vLLM's graph compilation in the engines (faster start, used by tests)."""
+    restart: bool = True
+    """Restart a process that exits unexpectedly (off in tests that kill engines on purpose)."""
+    python: str = sys.executable
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{self.host}:{self.redis_port}/0"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+    def engine_id(self, index: int) -> str:
+        return f"engine-{index}"
+
+
+def _program(name: str, command: list[str], log: Path, env: dict[str, str], restart: bool,
+             stop_wait_s: float, priority: int) -> str:
+    env_line = ",".join(f'{key}="{value}"' for key, value in sorted(env.items()))
+    lines = [
+        f"[program:{name}]",
+        "command=" + shlex.join(command),
+        f"priority={priority}",
+        "startsecs=0",
+        f"autorestart={'unexpected' if restart else 'false'}",
+        "startretries=3",
+        "stopsignal=TERM",
+        f"stopwaitsecs={int(stop_wait_s)}",
+        "stopasgroup=true",
+        "killasgroup=true",
+        "redirect_stderr=true",
+        f"stdout_logfile={log}",
+        "stdout_logfile_maxbytes=50MB",
+        "stdout_logfile_backups=2",
+    ]
+    if env_line:
+        lines.append(f"environment={env_line}")
+    return "\n".join(lines) + "\n"
+
+
+def supervisord_config(cfg: FleetConfig) -> str:
+    """The supervisord configuration of the whole fleet."""
+    run, logs = cfg.run_dir, cfg.run_dir / "logs"
+    redis_bin = shutil.which("redis-server")
+    if redis_bin is None:
+        raise FleetError("redis-server is not installed (Debian package redis-server); `make setup` installs it")
+    parts = [
+        "[supervisord]",
+        "nodaemon=true",
+        f"logfile={run / 'supervisord.log'}",
+        f"pidfile={run / 'supervisord.pid'}",
+        "loglevel=warn",
+        "",
+        "[unix_http_server]",
+        f"file={run / 'supervisor.sock'}",
+        "",
+        "[rpcinterface:supervisor]",
+        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+        "",
+        "[supervisorctl]",
+        f"serverurl=unix://{run / 'supervisor.sock'}",
+        "",
+    ]
+    common_env = {"PYTHONUNBUFFERED": "1", **cfg.extra_env}
+    parts.append(_program(
+        "redis", [redis_bin, "--bind", cfg.host, "--port", str(cfg.redis_port), "--save", "",
+                  "--appendonly", "no"],
+        logs / "redis.log", {}, cfg.restart, 10, 10))
+    parts.append(_program(
+        "tokenizer", [cfg.python, "-m", "shoal_tokenizer.main", "--model",
+                      f"{cfg.served_model_name}={cfg.model_path}", "--host", cfg.host,
+                      "--port", str(cfg.tokenizer_port)],
+        logs / "tokenizer.log", common_env, cfg.restart, 10, 20))
+    cores = os.cpu_count() or 1
+    for i in range(cfg.engines):
+        command = [
+            cfg.python, "-m", "shoal_engine.main", "--model", str(cfg.model_path),
+            "--served-model-name", cfg.served_model_name, "--engine-id", cfg.engine_id(i),
+            "--cluster", cfg.cluster, "--redis-url", cfg.redis_url, "--host", cfg.host,
+            "--zmq-port", str(cfg.engine_zmq_base_port + i),
+            "--http-port", str(cfg.engine_http_base_port + i),
+            "--heartbeat-ttl", str(cfg.heartbeat_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),
+        ]
+        # One process fewer per engine: the model runs inside vLLM's engine-core process.
+        command += ["--executor-backend", "uni"]
+        if cfg.enforce_eager:
+            command.append("--enforce-eager")
+        if cfg.max_model_len:
+            command += ["--max-model-len", str(cfg.max_model_len)]
+        env = {**common_env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+               "VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
+        parts.append(_program(cfg.engine_id(i), command, logs / f"{cfg.engine_id(i)}.log", env,
+                              cfg.restart, cfg.drain_timeout_s + 15, 30))
+    parts.append(_program(
+        "router", [cfg.python, "-m", "shoal_router.main", "--model", cfg.served_model_name,
+                   "--cluster", cfg.cluster, "--redis-url", cfg.redis_url,
+                   "--tokenizer", f"{cfg.host}:{cfg.tokenizer_port}", "--host", cfg.host,
+                   "--port", str(cfg.router_port), "--zmq-port", str(cfg.router_zmq_port)],
+        logs / "router.log", common_env, cfg.restart, 10, 40))
+    return "\n".join(parts)
+
+
+class Fleet:
+    """Start, wait for and stop a local fleet. Used by ``make run`` and by the tests."""
+
+    def __init__(self, cfg: FleetConfig, say: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self._say = say
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_dir(self) -> Path:
+        return self.cfg.run_dir / "logs"
+
+    def start(self, new_session: bool = True) -> None:
+        cfg = self.cfg
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        conf = cfg.run_dir / "supervisord.conf"
+        conf.write_text(supervisord_config(cfg))
+        supervisord = shutil.which("supervisord", path=str(Path(cfg.python).parent)) or shutil.which("supervisord")
+        if supervisord is None:
+            raise FleetError("supervisord is not installed in this environment; run `make setup`")
+        self._say(f"starting {cfg.engines} engine(s) of {cfg.served_model_name}, tokenizer, Redis and "
+                  f"router (logs in {self.log_dir})")
+        self._proc = subprocess.Popen([supervisord, "-c", str(conf)], start_new_session=new_session)
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise FleetError(f"supervisord exited with {self._proc.returncode}; see {self.cfg.run_dir}/supervisord.log")
+
+    def _rpc(self) -> xmlrpc.client.ServerProxy:
+        sock = self.cfg.run_dir / "supervisor.sock"
+        return xmlrpc.client.ServerProxy("http://localhost", transport=SupervisorTransport(None, None, f"unix://{sock}"))
+
+    def _check_program(self, program: str) -> None:
+        """Fail at once when a program gave up (FATAL) or exited and will not be restarted."""
+        try:
+            info = self._rpc().supervisor.getProcessInfo(program)
+        except (OSError, xmlrpc.client.Fault):
+            return  # supervisord is still starting
+        state = info["statename"]
+        if state == "FATAL" or (state == "EXITED" and not self.cfg.restart):
+            tail = _tail(self.log_dir / f"{program}.log")
+            raise FleetError(f"{program} exited ({info['description']}); last lines of "
+                             f"{self.log_dir / program}.log:\n{tail}")
+
+    def _wait(self, what: str, ready: Callable[[], bool], deadline: float, log: str) -> None:
+        started = time.monotonic()
+        program = log.removesuffix(".log")
+        while not ready():
+            self._check_alive()
+            self._check_program(program)
+            if time.monotonic() > deadline:
+                raise FleetError(f"{what} not ready in time; see {self.log_dir / log}")
+            time.sleep(0.25)
+        self._say(f"  {what} ready ({time.monotonic() - started:.1f} s)")
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        cfg = self.cfg
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(cfg.redis_url)
+        try:
+            self._wait("redis", lambda: _redis_ping(client), deadline, "redis.log")
+            self._wait("tokenizer", lambda: _grpc_serving(f"{cfg.host}:{cfg.tokenizer_port}"), deadline,
+                       "tokenizer.log")
+            keys = Keys(cfg.cluster)
+            for i in range(cfg.engines):
+                engine_id = cfg.engine_id(i)
+                self._wait(f"{engine_id} (loading the model takes a while)",
+                           lambda eid=engine_id: _engine_active(client, keys, eid),  # type: ignore[misc]
+                           deadline, f"{engine_id}.log")
+            self._wait("router", lambda: _http_ok(cfg.base_url + "/health"), deadline, "router.log")
+        finally:
+            client.close()
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else None
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+    def wait(self) -> int:
+        assert self._proc is not None
+        return self._proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _redis_ping(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _grpc_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _engine_active(client: redis.Redis, keys: Keys, engine_id: str) -> bool:
+    try:
+        raw = client.get(keys.engine(engine_id))
+    except redis.RedisError:
+        return False
+    if raw is None:
+        return False
+    try:
+        return engine_record_decoder.decode(raw).state == EngineState.ACTIVE  # type: ignore[arg-type]
+    except msgspec.DecodeError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return bool(reply.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,101 @@
+"""Shared fleets for the integration tests, started once per session by the launcher's own code.
+
+* ``tiny_fleet``: two engines of the tiny random Llama (fast; its text is noise, its greedy
+  token ids are deterministic).
+* ``smol_fleet``: one engine of SmolLM2-135M-Instruct, for answers whose text matters.
+
+Both fleets and the offline vLLM reference run start together at the beginning of the session,
+so their model loads overlap. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from shoal_fleet.launcher import Fleet, FleetConfig
+from shoal_protos.records import Keys
+
+from tests.integration.support import (
+    MODELS,
+    REFERENCE_MAX_TOKENS,
+    REFERENCE_PROMPTS,
+    SMOL,
+    TINY,
+    RunningFleet,
+)
+
+def _config(name: str, model_dir: str, served: str, run_dir: Path, engines: int, offset: int) -> FleetConfig:
+    return FleetConfig(
+        model_path=MODELS / model_dir, served_model_name=served, run_dir=run_dir / name,
+        engines=engines, cluster=f"test-{name}", router_port=18000 + offset,
+        router_zmq_port=15700 + offset, tokenizer_port=15050 + offset, redis_port=16379 + offset,
+        engine_zmq_base_port=15600 + 10 * offset, engine_http_base_port=16100 + 10 * offset,
+        enforce_eager=True, restart=False, heartbeat_ttl_s=2.0, drain_timeout_s=5.0,
+    )
+
+
+@pytest.fixture(scope="session")
+def _fleets(
+    tmp_path_factory: pytest.TempPathFactory, _reference_job: tuple[subprocess.Popen[bytes], Path]
+) -> Iterator[dict[str, RunningFleet]]:
+    # Depends on the reference job only so that it starts first and loads alongside the fleets.
+    run_dir = tmp_path_factory.mktemp("fleets")
+    configs = {
+        "tiny": _config("tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0),
+        "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=1, offset=1),
+    }
+    fleets = {name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()}
+    running: dict[str, RunningFleet] = {}
+    try:
+        for fleet in fleets.values():
+            fleet.start()
+        for name, fleet in fleets.items():
+            fleet.wait_ready(timeout_s=600)
+            cfg = configs[name]
+            running[name] = RunningFleet(fleet, cfg, redis.Redis.from_url(cfg.redis_url), Keys(cfg.cluster))
+        yield running
+    finally:
+        for fleet in fleets.values():
+            fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_fleet(_fleets: dict[str, RunningFleet]) -> RunningFleet:
+    return _fleets["tiny"]
+
+
+@pytest.fixture(scope="session")
+def smol_fleet(_fleets: dict[str, RunningFleet]) -> RunningFleet:
+    return _fleets["smol"]
+
+
+@pytest.fixture(scope="session")
+def _reference_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """Start the offline reference run early; ``reference_token_ids`` collects it."""
+    folder = tmp_path_factory.mktemp("reference")
+    job, out = folder / "job.json", folder / "out.json"
+    job.write_text(json.dumps({"model": str(MODELS / "tiny-llama"), "prompts": REFERENCE_PROMPTS,
+                               "max_tokens": REFERENCE_MAX_TOKENS}))
+    log = (folder / "reference.log").open("wb")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reference.py")), str(job), str(out)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def reference_token_ids(_reference_job: tuple[subprocess.Popen[bytes], Path]) -> list[list[int]]:
+    proc, out = _reference_job
+    code = proc.wait(timeout=600)
+    assert code == 0, f"offline vLLM reference run failed ({code}); see {out.parent / 'reference.log'}"
+    token_ids: list[list[int]] = json.loads(out.read_text())["token_ids"]
+    return token_ids

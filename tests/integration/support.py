@@ -1,0 +1,65 @@
+"""What the integration tests share: fleet handles, reference prompts, waiting with a deadline."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import redis
+from shoal_fleet.launcher import Fleet, FleetConfig
+from shoal_protos.records import EngineRecord, Keys, LoadReport, engine_record_decoder, load_report_decoder
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / ".cache" / "models"
+TINY = "tiny-llama"
+SMOL = "SmolLM2-135M-Instruct"
+
+# The 32-stream comparison: fixed prompts of token ids, greedy, a fixed number of tokens.
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(length)]
+
+
+REFERENCE_PROMPTS = [_prompt(i, 8 + 3 * i) for i in range(32)]
+REFERENCE_MAX_TOKENS = 48
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(every_s)
+
+
+@dataclass
+class RunningFleet:
+    fleet: Fleet
+    cfg: FleetConfig
+    redis: redis.Redis
+    keys: Keys
+
+    @property
+    def base_url(self) -> str:
+        return self.cfg.base_url
+
+    @property
+    def model(self) -> str:
+        return self.cfg.served_model_name
+
+    def engine_record(self, engine_id: str) -> EngineRecord | None:
+        raw = self.redis.get(self.keys.engine(engine_id))
+        return engine_record_decoder.decode(raw) if raw else None
+
+    def load_report(self, engine_id: str) -> LoadReport | None:
+        raw = self.redis.get(self.keys.load(engine_id))
+        return load_report_decoder.decode(raw) if raw else None
+
+    def engine_metrics(self, engine_id: str) -> str:
+        record = self.engine_record(engine_id)
+        assert record is not None, f"{engine_id} is not registered"
+        return httpx.get(record.http_address + "/metrics", timeout=5).text

@@ -1,0 +1,111 @@
+"""The official ``openai`` client, sync and async, streaming and not, against real fleets."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.support import RunningFleet
+
+pytestmark = pytest.mark.integration
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(fleet: RunningFleet) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def async_client(fleet: RunningFleet) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_smollm2_chat_answers_paris(smol_fleet: RunningFleet) -> None:
+    reply = client(smol_fleet).chat.completions.create(
+        model=smol_fleet.model, messages=QUESTION, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage is not None and reply.usage.prompt_tokens > 5
+    assert reply.usage.completion_tokens <= 24
+
+
+async def test_smollm2_async_chat_stream_answers_paris(smol_fleet: RunningFleet) -> None:
+    stream = await async_client(smol_fleet).chat.completions.create(
+        model=smol_fleet.model, messages=QUESTION, temperature=0, max_tokens=24, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert "Paris" in text
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens >= 1
+
+
+def test_completion_non_streaming(tiny_fleet: RunningFleet) -> None:
+    reply = client(tiny_fleet).completions.create(
+        model=tiny_fleet.model, prompt="the quick brown fox", max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert reply.object == "text_completion"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    assert reply.choices[0].text
+
+
+def test_completion_streaming_matches_non_streaming(tiny_fleet: RunningFleet) -> None:
+    c = client(tiny_fleet)
+    kwargs = {"model": tiny_fleet.model, "prompt": "over the lazy dog", "max_tokens": 16, "temperature": 0,
+              "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    whole = c.completions.create(**kwargs)  # type: ignore[call-overload]
+    chunks = list(c.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    streamed_ids = [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]]
+    assert streamed_ids == whole.choices[0].model_extra["token_ids"]
+    assert len(streamed_ids) == 16
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_async_chat_non_streaming(tiny_fleet: RunningFleet) -> None:
+    reply = await async_client(tiny_fleet).chat.completions.create(
+        model=tiny_fleet.model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert reply.object == "chat.completion"
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+
+
+async def test_async_completion_stream_with_usage(tiny_fleet: RunningFleet) -> None:
+    stream = await async_client(tiny_fleet).completions.create(
+        model=tiny_fleet.model, prompt="hello", max_tokens=7, stream=True, temperature=0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].choices == []
+
+
+def test_chat_stream_ends_with_done(tiny_fleet: RunningFleet) -> None:
+    body = {"model": tiny_fleet.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "stream": True}
+    with httpx.stream("POST", tiny_fleet.base_url + "/v1/chat/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert '"role":"assistant"' in events[0]
+
+
+def test_models_and_openapi(tiny_fleet: RunningFleet) -> None:
+    models = client(tiny_fleet).models.list()
+    assert [m.id for m in models.data] == [tiny_fleet.model]
+    spec = httpx.get(tiny_fleet.base_url + "/openapi.json", timeout=10).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+
+
+def test_router_metrics_count_requests(tiny_fleet: RunningFleet) -> None:
+    client(tiny_fleet).completions.create(model=tiny_fleet.model, prompt="count me", max_tokens=2)
+    text = httpx.get(tiny_fleet.base_url + "/metrics", timeout=10).text
+    assert 'shoal_router_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert "shoal_router_time_to_first_token_seconds_count" in text

@@ -1,0 +1,297 @@
+"""RequestOutputCollector: ordering, repeats, coalescing and the one-slot mailbox."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shoal_protos.messages import FinishReason, PieceError, RequestPiece
+from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
+
+RID = "req-1"
+
+
+def piece(first_index: int, tokens: list[int], text: str | None = None, **kwargs: object) -> RequestPiece:
+    """A piece whose text is one character per token, so text and tokens can be checked together."""
+    if text is None:
+        text = "".join(chr(ord("a") + t % 26) for t in tokens)
+    return RequestPiece(RID, first_index, token_ids=list(tokens), text=text, **kwargs)  # type: ignore[arg-type]
+
+
+def take(collector: RequestOutputCollector) -> RequestDelta:
+    delta = collector.get_nowait()
+    assert delta is not None, "expected a delta"
+    return delta
+
+
+def test_empty_collector_has_nothing() -> None:
+    collector = RequestOutputCollector(RID)
+    assert collector.get_nowait() is None
+    assert collector.delivered == 0
+    assert not collector.finished
+
+
+def test_in_order_pieces_coalesce_into_one_delta() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1]))
+    collector.put("e0", piece(2, [2]))
+    collector.put("e0", piece(3, [3, 4]))
+
+    delta = take(collector)
+
+    assert delta.token_ids == [0, 1, 2, 3, 4]
+    assert delta.text == "abcde"
+    assert delta.engine_id == "e0"
+    assert not delta.finished
+    assert collector.delivered == 5
+    # The slot is empty again until the next put.
+    assert collector.get_nowait() is None
+
+
+def test_reads_split_the_stream_without_losing_or_repeating_tokens() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1]))
+    first = take(collector)
+    collector.put("e0", piece(2, [2, 3]))
+    second = take(collector)
+
+    assert first.token_ids == [0, 1]
+    assert second.token_ids == [2, 3]
+    assert second.text == "cd"
+
+
+def test_early_piece_is_held_until_the_gap_is_filled() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1]))
+    assert take(collector).token_ids == [0, 1]
+
+    collector.put("e0", piece(4, [4, 5]))  # tokens 2..3 are still missing
+    assert collector.get_nowait() is None
+    assert collector.delivered == 2
+
+    collector.put("e0", piece(2, [2, 3]))
+    delta = take(collector)
+
+    assert delta.token_ids == [2, 3, 4, 5]
+    assert delta.text == "cdef"
+    assert collector.delivered == 6
+
+
+def test_several_held_pieces_follow_on_in_order() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(3, [3], finish_reason=FinishReason.STOP, num_prompt_tokens=2))
+    collector.put("e0", piece(1, [1, 2]))
+    assert collector.get_nowait() is None
+
+    collector.put("e0", piece(0, [0]))
+    delta = take(collector)
+
+    assert delta.token_ids == [0, 1, 2, 3]
+    assert delta.finished
+    assert delta.finish_reason is FinishReason.STOP
+    assert collector.finished
+
+
+def test_held_final_piece_does_not_finish_early() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(2, [], finish_reason=FinishReason.LENGTH))
+    assert not collector.finished
+    assert collector.get_nowait() is None
+
+
+def test_full_repeat_is_dropped() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1, 2]))
+    take(collector)
+
+    collector.put("e1", piece(0, [0, 1, 2]))
+    collector.put("e1", piece(1, [1, 2]))
+
+    assert collector.get_nowait() is None
+    assert collector.delivered == 3
+
+
+def test_partial_overlap_is_trimmed_by_tokens() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1, 2]))
+    take(collector)
+
+    collector.put("e1", piece(1, [1, 2, 3, 4]))
+    delta = take(collector)
+
+    assert delta.token_ids == [3, 4]
+    # The text of a partly repeated piece cannot be split by token, so it is dropped.
+    assert delta.text == ""
+    assert delta.engine_id == "e1"
+    assert collector.delivered == 5
+
+
+def test_finish_carries_reason_stop_reason_and_prompt_tokens() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0]))
+    collector.put("e0", piece(1, [1], finish_reason=FinishReason.STOP, stop_reason="\n", num_prompt_tokens=7))
+
+    delta = take(collector)
+
+    assert delta.token_ids == [0, 1]
+    assert delta.finished
+    assert delta.finish_reason is FinishReason.STOP
+    assert delta.stop_reason == "\n"
+    assert delta.num_prompt_tokens == 7
+    assert delta.error is None
+    assert collector.finished
+
+
+def test_final_piece_without_tokens_is_accepted() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1]))
+    collector.put("e0", piece(2, [], finish_reason=FinishReason.LENGTH, num_prompt_tokens=3))
+
+    delta = take(collector)
+
+    assert delta.token_ids == [0, 1]
+    assert delta.finish_reason is FinishReason.LENGTH
+    assert delta.num_prompt_tokens == 3
+
+
+def test_nothing_is_accepted_after_finish() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0], finish_reason=FinishReason.STOP))
+    take(collector)
+
+    collector.put("e0", piece(1, [1, 2]))
+    collector.put("e0", piece(1, [], finish_reason=FinishReason.ABORT))
+    collector.fail(PieceError("engine_dead", "late"))
+
+    assert collector.get_nowait() is None
+    assert collector.delivered == 1
+
+
+def test_fail_ends_the_request_with_an_error_delta() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1]))
+    error = PieceError("engine_dead", "engine e0 disappeared")
+
+    collector.fail(error)
+    delta = take(collector)
+
+    # Tokens that arrived before the failure are still handed out, in the same delta.
+    assert delta.token_ids == [0, 1]
+    assert delta.finish_reason is FinishReason.ERROR
+    assert delta.error == error
+    assert delta.engine_id == ""
+    assert collector.finished
+
+
+def test_fail_after_finish_is_ignored() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0], finish_reason=FinishReason.STOP))
+    collector.fail(PieceError("engine_dead", "late"))
+
+    delta = take(collector)
+    assert delta.finish_reason is FinishReason.STOP
+    assert delta.error is None
+
+
+async def test_get_waits_until_a_put() -> None:
+    collector = RequestOutputCollector(RID)
+    reader = asyncio.create_task(collector.get())
+    # Let the reader run up to its wait; get() has no other await, so one pass is enough.
+    await asyncio.sleep(0)
+    assert not reader.done()
+
+    collector.put("e0", piece(0, [0, 1]))
+    delta = await asyncio.wait_for(reader, timeout=5)
+
+    assert delta.token_ids == [0, 1]
+    assert collector.get_nowait() is None
+
+
+async def test_get_returns_at_once_when_something_is_pending() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0]))
+    delta = await asyncio.wait_for(collector.get(), timeout=5)
+    assert delta.token_ids == [0]
+
+
+async def test_get_after_a_read_waits_for_new_output() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0]))
+    await collector.get()
+
+    reader = asyncio.create_task(collector.get())
+    await asyncio.sleep(0)
+    assert not reader.done()
+
+    collector.put("e0", piece(1, [1], finish_reason=FinishReason.STOP))
+    delta = await asyncio.wait_for(reader, timeout=5)
+    assert delta.token_ids == [1]
+    assert delta.finished
+
+
+async def test_a_held_piece_does_not_wake_the_reader() -> None:
+    collector = RequestOutputCollector(RID)
+    reader = asyncio.create_task(collector.get())
+    await asyncio.sleep(0)
+
+    collector.put("e0", piece(1, [1]))
+    await asyncio.sleep(0)
+    assert not reader.done()
+
+    collector.put("e0", piece(0, [0]))
+    delta = await asyncio.wait_for(reader, timeout=5)
+    assert delta.token_ids == [0, 1]
+
+
+def test_reset_for_retry_after_a_retryable_failure() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(3, [3]))  # held; must not survive the retry
+    collector.put(
+        "e0",
+        RequestPiece(
+            RID,
+            0,
+            finish_reason=FinishReason.ERROR,
+            error=PieceError("engine_draining", "draining", retryable=True),
+        ),
+    )
+    failed = take(collector)
+    assert failed.error is not None
+    assert failed.error.retryable
+
+    collector.reset_for_retry()
+
+    assert not collector.finished
+    assert collector.get_nowait() is None
+    collector.put("e1", piece(0, [0, 1, 2]))
+    delta = take(collector)
+    assert delta.token_ids == [0, 1, 2]
+    assert delta.engine_id == "e1"
+    assert collector.delivered == 3
+
+
+def test_reset_for_retry_drops_an_unread_failure() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.fail(PieceError("engine_dead", "gone", retryable=True))
+    collector.reset_for_retry()
+    assert collector.get_nowait() is None
+    assert not collector.finished
+
+
+def test_reset_for_retry_refuses_once_tokens_were_delivered() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0]))
+    with pytest.raises(AssertionError):
+        collector.reset_for_retry()
+
+
+def test_held_piece_overlapping_the_filled_gap_is_trimmed_and_delivered() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e1", piece(3, [3, 4, 5]))  # early: held
+    collector.put("e0", piece(0, [0, 1, 2, 3, 4]))  # fills the gap and overlaps the held piece
+
+    delta = take(collector)
+
+    assert delta.token_ids == [0, 1, 2, 3, 4, 5]
+    assert collector.delivered == 6
