@@ -71,8 +71,7 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-_WORDS: tuple[str, ...] = tuple(
-    """
+_WORD_TEXT = """
     the a an this that these those some every each any no one two three four five many few
     time year people way day man woman child world life hand part place case week company
     system program question work government number night point home water room mother area
@@ -93,8 +92,8 @@ _WORDS: tuple[str, ...] = tuple(
     to from up down out off over under and but or because if while although so than
     i you he she it we they me him her us them my your his its our their what which who
     model token server request response engine cache memory prompt batch queue fleet shoal
-    """.split()
-)
+"""
+_WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 _LOAD_TIME_TOKENIZER_KEYS: tuple[str, ...] = ("is_local", "local_files_only", "name_or_path")
 _PUNCTUATION: tuple[str, ...] = (".", ".", ".", "?", "!", ",", ";", ":")
 
@@ -156,12 +155,10 @@ def build_into_place(
 
 
 def _make_readable(folder: Path) -> None:
-    """Give the folder and its files the usual umask-based modes (mkdtemp makes 0700)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    """Make the folder world-readable (mkdtemp creates it 0700; some files come out 0600)."""
+    folder.chmod(0o755)
     for path in folder.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _replace_folder(tmp: Path, final: Path, name: str) -> None:
@@ -193,9 +190,7 @@ def find_smollm2_gguf() -> Path:
     ggufs = sorted(Path(str(dist.locate_file(f))) for f in dist.files or [] if f.suffix == ".gguf")
     found = [p for p in ggufs if p.is_file()]
     if not found:
-        raise ModelBuildError(
-            f"'{SMOLLM2_DISTRIBUTION}' {dist.version} is installed but ships no .gguf file"
-        )
+        raise ModelBuildError(f"'{SMOLLM2_DISTRIBUTION}' {dist.version} is installed but ships no .gguf file")
     return found[0]
 
 
@@ -434,9 +429,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Build Shoal's local models (SmolLM2-135M-Instruct, tiny-llama) once.",
     )
     parser.add_argument("--cache-dir", type=Path, required=True, help="folder to build into")
-    parser.add_argument(
-        "--only", choices=sorted(BUILDERS), action="append", help="build only this model"
-    )
+    parser.add_argument("--only", choices=sorted(BUILDERS), action="append", help="build only this model")
     parser.add_argument("--force", action="store_true", help="rebuild even if already built")
     return parser.parse_args(argv)
 

@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, default=Path(".cache/run"))
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="skip vLLM graph compilation (engines start faster, decode slower)")
+    parser.add_argument("--compile", action="store_true",
+                        help="let vLLM compile the model graph (slower start; off by default on the CPU)")
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
     args = parser.parse_args(argv)
     if args.model in MODELS:
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         redis_port=args.redis_port, tokenizer_port=args.tokenizer_port,
         engine_zmq_base_port=args.engine_base_port, engine_http_base_port=args.engine_base_port + 500,
         max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, restart=not args.no_restart,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=not args.compile,
     )
 
 

@@ -54,7 +54,14 @@ def build_app(config: RouterConfig) -> FastAPI:
     asyncio objects belong to the loop they were made on)."""
     metrics = RouterMetrics()
     ctx = zmq.asyncio.Context()
-    engines = EngineClient(ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm)
+
+    def link_changed(engine_id: str, up: bool) -> None:
+        view = fleet.engines.get(engine_id)
+        if view is not None:
+            view.connected = up
+
+    engines = EngineClient(ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm,
+                           on_link=link_changed)
     redis_client = aioredis.Redis.from_url(config.redis_url)
 
     def engine_lost(engine_id: str, reason: str) -> None:

@@ -97,7 +97,8 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
     async def health() -> JSONResponse:
         engines = generation.fleet.engines
         body = {"status": "ok", "redis": generation.fleet.redis_ok,
-                "engines": {eid: str(view.record.state) for eid, view in engines.items()},
+                "engines": {eid: str(view.record.state) if view.connected else "UNREACHABLE"
+                            for eid, view in engines.items()},
                 "models": generation.served_models(), "inflight": generation.inflight}
         ready = generation.fleet.redis_ok and any(view.dispatchable for view in engines.values())
         if not ready:

@@ -23,6 +23,8 @@ class EngineView:
     sent_since_report: int = 0
     # Requests of this router running there now.
     inflight: int = 0
+    # Whether this router's ZeroMQ link to the engine is up.
+    connected: bool = True
 
     @property
     def engine_id(self) -> str:
@@ -30,7 +32,7 @@ class EngineView:
 
     @property
     def dispatchable(self) -> bool:
-        return self.record.state == EngineState.ACTIVE
+        return self.record.state == EngineState.ACTIVE and self.connected
 
     def update_report(self, report: LoadReport) -> None:
         if self.report is None or report.seq != self.report.seq:

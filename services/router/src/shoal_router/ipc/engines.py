@@ -10,17 +10,23 @@ collector, yielding to the loop every ``_CHUNK`` pieces so that a burst of large
 starve the HTTP handlers (``AsyncLLM``'s output handler does the same). Sends never block the
 loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the request is
 answered 503 instead of being queued without bound.
+
+Each engine socket is monitored: when its TCP link drops (the engine process died or closed),
+the engine's requests end with an error at once and ``on_link`` takes it out of dispatch until
+the link comes back; the Redis heartbeat is the slower backstop for engines that hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -45,8 +51,12 @@ class _Tracked:
 
 
 class EngineClient:
-    def __init__(self, ctx: zmq.asyncio.Context, reply_to: str, send_hwm: int) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, reply_to: str, send_hwm: int,
+                 on_link: Callable[[str, bool], None]) -> None:
         self.reply_to = reply_to
+        self._ctx = ctx
+        self._on_link = on_link
+        self._monitors: dict[str, asyncio.Task[None]] = {}
         # PUSH sockets are plain (not asyncio) sockets of the same context: a NOBLOCK send
         # either queues at once or raises zmq.Again; it never awaits.
         self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
@@ -67,8 +77,29 @@ class EngineClient:
         sock = self._push_ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        # Watch the TCP link: a local engine that dies drops it at once, long before its
+        # Redis heartbeat expires.
+        monitor_address = f"inproc://engine-monitor-{id(self)}-{engine_id}"
+        sock.monitor(monitor_address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR)
+        monitor.connect(monitor_address)
         sock.connect(address)
         self._sockets[engine_id] = sock
+        self._monitors[engine_id] = asyncio.create_task(self._watch_link(engine_id, monitor),
+                                                        name=f"link-{engine_id}")
+
+    async def _watch_link(self, engine_id: str, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                up = event["event"] == zmq.EVENT_CONNECTED
+                if not up:
+                    failed = self.fail_requests(engine_id, "dropped its connection")
+                    logger.warning("lost the link to engine %s; %d requests on it end with an error",
+                                   engine_id, failed)
+                self._on_link(engine_id, up)
+        finally:
+            monitor.close(linger=0)
 
     def add(self, engine_id: str, request: AddRequest, collector: RequestOutputCollector) -> None:
         sock = self._sockets.get(engine_id)
@@ -105,9 +136,16 @@ class EngineClient:
 
     def engine_lost(self, engine_id: str, reason: str) -> int:
         """Fail every request on a dead engine and drop its socket. Returns how many failed."""
+        monitor = self._monitors.pop(engine_id, None)
+        if monitor is not None:
+            monitor.cancel()
         sock = self._sockets.pop(engine_id, None)
         if sock is not None:
             sock.close(linger=0)
+        return self.fail_requests(engine_id, reason)
+
+    def fail_requests(self, engine_id: str, reason: str) -> int:
+        """End every request running on ``engine_id`` with an error. Returns how many."""
         lost = [rid for rid, t in self._requests.items() if t.engine_id == engine_id]
         for request_id in lost:
             tracked = self._requests.pop(request_id)
@@ -139,6 +177,8 @@ class EngineClient:
                     await asyncio.sleep(0)
 
     def close(self) -> None:
+        for task in self._monitors.values():
+            task.cancel()
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()
