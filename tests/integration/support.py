@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import redis
+
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos.records import EngineRecord, Keys, LoadReport, engine_record_decoder, load_report_decoder
 
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / ".cache" / "models"
 TINY = "tiny-llama"
 SMOL = "SmolLM2-135M-Instruct"
+
 
 # The 32-stream comparison: fixed prompts of token ids, greedy, a fixed number of tokens.
 def _prompt(seed: int, length: int) -> list[int]:

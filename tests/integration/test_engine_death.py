@@ -18,6 +18,12 @@ from tests.integration.support import RunningFleet, wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
 
+def _kill_engine(pid: int) -> None:
+    """SIGKILL the engine and vLLM's processes under it, as when its pod dies (supervisord gives
+    each program its own process group)."""
+    os.killpg(os.getpgid(pid), signal.SIGKILL)
+
+
 def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
     engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=5).json()["engines"]
     return engines.get(engine_id)
@@ -27,14 +33,20 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
     victim, survivor = tiny_fleet.cfg.engine_id(1), tiny_fleet.cfg.engine_id(0)
     victim_record, survivor_record = tiny_fleet.engine_record(victim), tiny_fleet.engine_record(survivor)
     assert victim_record is not None and survivor_record is not None
-    client = openai.AsyncOpenAI(base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0,
-                                timeout=120)
+    client = openai.AsyncOpenAI(
+        base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
     have_tokens = [threading.Event() for _ in range(4)]
 
     async def long_stream(i: int) -> str:
         stream = await client.completions.create(
-            model=tiny_fleet.model, prompt=[7, 8, 9], max_tokens=1900, stream=True, temperature=0,
-            extra_body={"ignore_eos": True})
+            model=tiny_fleet.model,
+            prompt=[7, 8, 9],
+            max_tokens=1900,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         received = 0
         try:
             async for _ in stream:
@@ -52,7 +64,7 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
         # A thread, so that the kill does not wait for the busy event loop.
         for event in have_tokens:
             assert event.wait(60), "a stream got no tokens"
-        os.kill(victim_record.pid, signal.SIGKILL)
+        _kill_engine(victim_record.pid)
 
     # Dispatch spreads four streams over the two engines; kill one once every stream has tokens,
     # so that none of them is simply sent again elsewhere.
@@ -67,21 +79,30 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
     assert results.count("completed") == 4 - len(errors)
 
     # The heartbeat expires and the router forgets the engine; new requests go to the survivor.
-    wait_until(lambda: tiny_fleet.redis.get(tiny_fleet.keys.engine(victim)) is None, 10.0,
-               f"{victim}'s Redis record to expire")
+    wait_until(
+        lambda: tiny_fleet.redis.get(tiny_fleet.keys.engine(victim)) is None,
+        10.0,
+        f"{victim}'s Redis record to expire",
+    )
     wait_until(lambda: _router_state(tiny_fleet, victim) is None, 5.0, f"the router to forget {victim}")
     for _ in range(4):
         reply = await client.completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
 
     # With the machine quiet, time how fast the last engine leaves dispatch once killed.
-    os.kill(survivor_record.pid, signal.SIGKILL)
+    _kill_engine(survivor_record.pid)
     killed_at = time.monotonic()
-    wait_until(lambda: _router_state(tiny_fleet, survivor) in (None, "UNREACHABLE"),
-               tiny_fleet.cfg.heartbeat_ttl_s, f"{survivor} to leave dispatch")
+    wait_until(
+        lambda: _router_state(tiny_fleet, survivor) in (None, "UNREACHABLE"),
+        tiny_fleet.cfg.heartbeat_ttl_s,
+        f"{survivor} to leave dispatch",
+    )
     assert time.monotonic() - killed_at <= tiny_fleet.cfg.heartbeat_ttl_s
-    reply_503 = httpx.post(tiny_fleet.base_url + "/v1/completions",
-                           json={"model": tiny_fleet.model, "prompt": [1, 2], "max_tokens": 2}, timeout=30)
+    async with httpx.AsyncClient(timeout=30) as http:
+        reply_503 = await http.post(
+            tiny_fleet.base_url + "/v1/completions",
+            json={"model": tiny_fleet.model, "prompt": [1, 2], "max_tokens": 2},
+        )
     assert reply_503.status_code == 503
     assert reply_503.json()["error"]["code"] == "no_engine"
     assert "retry-after" in reply_503.headers

@@ -29,8 +29,12 @@ def _error(reply: httpx.Response, status: int) -> dict[str, object]:
 
 
 def test_malformed_json_is_400(tiny_fleet: RunningFleet) -> None:
-    reply = _post(tiny_fleet, "/v1/completions", content=b'{"model": "x", "prompt": ',
-                  headers={"content-type": "application/json"})
+    reply = _post(
+        tiny_fleet,
+        "/v1/completions",
+        content=b'{"model": "x", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
     assert _error(reply, 400)["type"] == "invalid_request_error"
 
 
@@ -39,9 +43,17 @@ def test_body_that_is_not_an_object_is_400(tiny_fleet: RunningFleet) -> None:
     assert _error(reply, 400)["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", 5), ("top_p", 0), ("max_tokens", 0), ("n", 2), ("top_k", -5), ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", 5),
+        ("top_p", 0),
+        ("max_tokens", 0),
+        ("n", 2),
+        ("top_k", -5),
+        ("stop", [""]),
+    ],
+)
 def test_invalid_field_is_400_naming_it(tiny_fleet: RunningFleet, field: str, value: object) -> None:
     body = {"model": tiny_fleet.model, "prompt": "hi", field: value}
     error = _error(_post(tiny_fleet, "/v1/completions", json=body), 400)
@@ -60,16 +72,23 @@ def test_unsupported_feature_is_400_naming_it(tiny_fleet: RunningFleet) -> None:
 
 def test_unknown_model_is_404(tiny_fleet: RunningFleet) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        openai.OpenAI(base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
-            model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+        openai.OpenAI(
+            base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0
+        ).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
     assert info.value.status_code == 404
     assert info.value.code == "model_not_found"
 
 
 def test_context_overflow_is_400_with_both_numbers(tiny_fleet: RunningFleet) -> None:
     prompt = [11] * 2000
-    error = _error(_post(tiny_fleet, "/v1/completions",
-                         json={"model": tiny_fleet.model, "prompt": prompt, "max_tokens": 100}), 400)
+    error = _error(
+        _post(
+            tiny_fleet,
+            "/v1/completions",
+            json={"model": tiny_fleet.model, "prompt": prompt, "max_tokens": 100},
+        ),
+        400,
+    )
     assert error["code"] == "context_length_exceeded"
     message = str(error["message"])
     assert "2048" in message and "2000" in message and "100" in message
@@ -92,10 +111,28 @@ def ghost_router(tiny_fleet: RunningFleet) -> Iterator[str]:
     """A second router on the same Redis, configured for a model no engine serves."""
     port = tiny_fleet.cfg.router_port + 50
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal_router.main", "--model", "ghost-model", "--cluster", tiny_fleet.cfg.cluster,
-         "--redis-url", tiny_fleet.cfg.redis_url, "--tokenizer", f"127.0.0.1:{tiny_fleet.cfg.tokenizer_port}",
-         "--port", str(port), "--zmq-port", str(tiny_fleet.cfg.router_zmq_port + 50), "--router-id", "ghost"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "shoal_router.main",
+            "--model",
+            "ghost-model",
+            "--cluster",
+            tiny_fleet.cfg.cluster,
+            "--redis-url",
+            tiny_fleet.cfg.redis_url,
+            "--tokenizer",
+            f"127.0.0.1:{tiny_fleet.cfg.tokenizer_port}",
+            "--port",
+            str(port),
+            "--zmq-port",
+            str(tiny_fleet.cfg.router_zmq_port + 50),
+            "--router-id",
+            "ghost",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -113,15 +150,22 @@ def ghost_router(tiny_fleet: RunningFleet) -> Iterator[str]:
 
 
 def test_no_engine_is_503_with_retry_after(ghost_router: str, tiny_fleet: RunningFleet) -> None:
-    reply = httpx.post(ghost_router + "/v1/completions", json={"model": "ghost-model", "prompt": [1, 2, 3]},
-                       timeout=30)
+    reply = httpx.post(
+        ghost_router + "/v1/completions", json={"model": "ghost-model", "prompt": [1, 2, 3]}, timeout=30
+    )
     error = _error(reply, 503)
     assert error["code"] == "no_engine"
     assert int(reply.headers["retry-after"]) >= 1
     # The second router sees the same fleet through Redis and serves the real model too.
-    wait_until(lambda: httpx.get(ghost_router + "/health", timeout=5).status_code == 200, 10.0,
-               "the second router to see the engines")
-    ok = httpx.post(ghost_router + "/v1/completions", json={"model": tiny_fleet.model, "prompt": [5, 6, 7],
-                                                              "max_tokens": 3}, timeout=60)
+    wait_until(
+        lambda: httpx.get(ghost_router + "/health", timeout=5).status_code == 200,
+        10.0,
+        "the second router to see the engines",
+    )
+    ok = httpx.post(
+        ghost_router + "/v1/completions",
+        json={"model": tiny_fleet.model, "prompt": [5, 6, 7], "max_tokens": 3},
+        timeout=60,
+    )
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] >= 1

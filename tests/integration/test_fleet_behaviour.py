@@ -20,16 +20,23 @@ def _dispatched(fleet: RunningFleet) -> dict[str, float]:
     return {engine: float(count) for engine, count in re.findall(pattern, text)}
 
 
-async def test_32_concurrent_streams_equal_offline_vllm(tiny_fleet: RunningFleet,
-                                                        reference_token_ids: list[list[int]]) -> None:
+async def test_32_concurrent_streams_equal_offline_vllm(
+    tiny_fleet: RunningFleet, reference_token_ids: list[list[int]]
+) -> None:
     before = _dispatched(tiny_fleet)
-    client = openai.AsyncOpenAI(base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0,
-                                timeout=300)
+    client = openai.AsyncOpenAI(
+        base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
+    )
 
     async def one(prompt: list[int]) -> list[int]:
         stream = await client.completions.create(
-            model=tiny_fleet.model, prompt=prompt, max_tokens=REFERENCE_MAX_TOKENS, temperature=0,
-            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+            model=tiny_fleet.model,
+            prompt=prompt,
+            max_tokens=REFERENCE_MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         ids: list[int] = []
         async for chunk in stream:
             ids.extend(chunk.choices[0].model_extra["token_ids"])
@@ -55,8 +62,11 @@ def test_redis_holds_engine_records_and_fresh_load_reports(tiny_fleet: RunningFl
         first = tiny_fleet.load_report(engine_id)
         assert first is not None
         # Reports are rewritten at least every 100 ms: a newer one shows up soon.
-        wait_until(lambda eid=engine_id, seq=first.seq: tiny_fleet.load_report(eid).seq >= seq + 3,  # type: ignore[misc]
-                   timeout_s=2.0, what=f"three more load reports from {engine_id}")
+        wait_until(
+            lambda eid=engine_id, seq=first.seq: tiny_fleet.load_report(eid).seq >= seq + 3,  # type: ignore[misc]
+            timeout_s=2.0,
+            what=f"three more load reports from {engine_id}",
+        )
 
 
 def test_client_disconnect_aborts_on_engine(tiny_fleet: RunningFleet) -> None:
@@ -64,7 +74,9 @@ def test_client_disconnect_aborts_on_engine(tiny_fleet: RunningFleet) -> None:
         total = 0.0
         for i in range(2):
             text = tiny_fleet.engine_metrics(tiny_fleet.cfg.engine_id(i))
-            match = re.search(r'shoal_engine_requests_total\{[^}]*finish_reason="abort"[^}]*\} ([0-9.e+]+)', text)
+            match = re.search(
+                r'shoal_engine_requests_total\{[^}]*finish_reason="abort"[^}]*\} ([0-9.e+]+)', text
+            )
             total += float(match.group(1)) if match else 0.0
         return total
 
@@ -73,8 +85,13 @@ def test_client_disconnect_aborts_on_engine(tiny_fleet: RunningFleet) -> None:
         return sum(r.num_running + r.num_waiting for r in reports if r is not None)
 
     aborted_before = aborted_total()
-    body = {"model": tiny_fleet.model, "prompt": "a long story", "max_tokens": 2000 - 8, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": tiny_fleet.model,
+        "prompt": "a long story",
+        "max_tokens": 2000 - 8,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
         lines = reply.iter_lines()

@@ -23,7 +23,8 @@ def async_client(fleet: RunningFleet) -> openai.AsyncOpenAI:
 
 def test_smollm2_chat_answers_paris(smol_fleet: RunningFleet) -> None:
     reply = client(smol_fleet).chat.completions.create(
-        model=smol_fleet.model, messages=QUESTION, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+        model=smol_fleet.model, messages=QUESTION, temperature=0, max_tokens=24
+    )  # type: ignore[arg-type]
     assert "Paris" in (reply.choices[0].message.content or "")
     assert reply.choices[0].message.role == "assistant"
     assert reply.usage is not None and reply.usage.prompt_tokens > 5
@@ -32,8 +33,13 @@ def test_smollm2_chat_answers_paris(smol_fleet: RunningFleet) -> None:
 
 async def test_smollm2_async_chat_stream_answers_paris(smol_fleet: RunningFleet) -> None:
     stream = await async_client(smol_fleet).chat.completions.create(
-        model=smol_fleet.model, messages=QUESTION, temperature=0, max_tokens=24, stream=True,  # type: ignore[arg-type]
-        stream_options={"include_usage": True})
+        model=smol_fleet.model,
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
+    )
     text, finish, usage = "", None, None
     async for chunk in stream:
         if chunk.choices:
@@ -48,8 +54,12 @@ async def test_smollm2_async_chat_stream_answers_paris(smol_fleet: RunningFleet)
 
 def test_completion_non_streaming(tiny_fleet: RunningFleet) -> None:
     reply = client(tiny_fleet).completions.create(
-        model=tiny_fleet.model, prompt="the quick brown fox", max_tokens=12, temperature=0,
-        extra_body={"ignore_eos": True})
+        model=tiny_fleet.model,
+        prompt="the quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert reply.object == "text_completion"
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None and reply.usage.completion_tokens == 12
@@ -58,8 +68,13 @@ def test_completion_non_streaming(tiny_fleet: RunningFleet) -> None:
 
 def test_completion_streaming_matches_non_streaming(tiny_fleet: RunningFleet) -> None:
     c = client(tiny_fleet)
-    kwargs = {"model": tiny_fleet.model, "prompt": "over the lazy dog", "max_tokens": 16, "temperature": 0,
-              "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    kwargs = {
+        "model": tiny_fleet.model,
+        "prompt": "over the lazy dog",
+        "max_tokens": 16,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True, "return_token_ids": True},
+    }
     whole = c.completions.create(**kwargs)  # type: ignore[call-overload]
     chunks = list(c.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
     assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
@@ -71,24 +86,38 @@ def test_completion_streaming_matches_non_streaming(tiny_fleet: RunningFleet) ->
 
 async def test_async_chat_non_streaming(tiny_fleet: RunningFleet) -> None:
     reply = await async_client(tiny_fleet).chat.completions.create(
-        model=tiny_fleet.model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
-        extra_body={"ignore_eos": True})
+        model=tiny_fleet.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert reply.object == "chat.completion"
     assert reply.usage is not None and reply.usage.completion_tokens == 5
 
 
 async def test_async_completion_stream_with_usage(tiny_fleet: RunningFleet) -> None:
     stream = await async_client(tiny_fleet).completions.create(
-        model=tiny_fleet.model, prompt="hello", max_tokens=7, stream=True, temperature=0,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=tiny_fleet.model,
+        prompt="hello",
+        max_tokens=7,
+        stream=True,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = [chunk async for chunk in stream]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
     assert chunks[-1].choices == []
 
 
 def test_chat_stream_ends_with_done(tiny_fleet: RunningFleet) -> None:
-    body = {"model": tiny_fleet.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "stream": True}
+    body = {
+        "model": tiny_fleet.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "stream": True,
+    }
     with httpx.stream("POST", tiny_fleet.base_url + "/v1/chat/completions", json=body, timeout=60) as reply:
         assert reply.status_code == 200
         assert reply.headers["content-type"].startswith("text/event-stream")

@@ -131,4 +131,3 @@ class EngineRequestDecoder:
         if frame_type == FrameType.ABORT.value:
             return self._abort.decode(body)
         raise msgspec.DecodeError(f"unknown frame type {frame_type!r}")
-

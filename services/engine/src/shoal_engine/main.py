@@ -9,8 +9,8 @@ are then aborted with a reason, the keys are removed, vLLM shuts down, and the p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -24,8 +24,6 @@ import zmq
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from shoal_protos.messages import PROTOCOL_VERSION
-from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport
 
 from shoal_engine.backend import BackendDeadError, EngineBackend
 from shoal_engine.config import EngineConfig
@@ -33,6 +31,8 @@ from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
+from shoal_protos.messages import PROTOCOL_VERSION
+from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport
 
 logger = logging.getLogger("shoal.engine")
 
@@ -125,10 +125,15 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     sender.start()
     receiver.start()
 
-    http = _HttpServer(uvicorn.Config(
-        build_http_app(service, backend, metrics), host=config.host, port=config.http_port,
-        log_level="warning", lifespan="off",
-    ))
+    http = _HttpServer(
+        uvicorn.Config(
+            build_http_app(service, backend, metrics),
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
     http_task = asyncio.create_task(http.serve(), name="http")
 
     def make_report(seq: int) -> LoadReport:
@@ -141,22 +146,37 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         used = load.kv_blocks_used if active else 0
         metrics.kv_blocks_used.set(used)
         return LoadReport(
-            engine_id=config.engine_id, seq=seq, time=time.time(),
-            num_running=running, num_waiting=active - running,
-            kv_blocks_used=used, kv_blocks_free=max(info.kv_blocks_total - used, 0),
+            engine_id=config.engine_id,
+            seq=seq,
+            time=time.time(),
+            num_running=running,
+            num_waiting=active - running,
+            kv_blocks_used=used,
+            kv_blocks_free=max(info.kv_blocks_total - used, 0),
             step_time_ms=load.step_time_ms,
         )
 
     redis_client = aioredis.Redis.from_url(config.redis_url)
     record = EngineRecord(
-        engine_id=config.engine_id, model=config.served_model_name, zmq_address=zmq_address,
-        http_address=f"http://{config.host}:{config.http_port}", max_model_len=info.max_model_len,
-        kv_blocks_total=info.kv_blocks_total, pid=os.getpid(), hostname=socket.gethostname(),
-        protocol_version=PROTOCOL_VERSION, started_at=time.time(),
+        engine_id=config.engine_id,
+        model=config.served_model_name,
+        zmq_address=zmq_address,
+        http_address=f"http://{config.host}:{config.http_port}",
+        max_model_len=info.max_model_len,
+        kv_blocks_total=info.kv_blocks_total,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        protocol_version=PROTOCOL_VERSION,
+        started_at=time.time(),
     )
     registration = EngineRegistration(
-        redis_client, Keys(config.cluster), record, config.heartbeat_ttl_s,
-        config.load_report_interval_s, make_report, metrics,
+        redis_client,
+        Keys(config.cluster),
+        record,
+        config.heartbeat_ttl_s,
+        config.load_report_interval_s,
+        make_report,
+        metrics,
     )
     await registration.register()
     logger.info("engine %s ready: zmq %s, http %s", config.engine_id, zmq_address, record.http_address)
@@ -184,7 +204,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     await redis_client.aclose()
     receiver.stop()
     sender.stop()
-    ctx.term()
+    ctx.destroy(linger=0)  # the threads closed their sockets; never wait on a straggler
     http.should_exit = True
     await http_task
     backend.shutdown()

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
-from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
 
 from shoal_engine.metrics import EngineMetrics
+from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -99,4 +99,3 @@ class EngineRegistration:
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             logger.warning("cannot remove engine from Redis (its keys expire by TTL): %s", exc)
-

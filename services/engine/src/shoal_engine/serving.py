@@ -21,6 +21,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend
+from shoal_engine.metrics import EngineMetrics
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -29,9 +31,6 @@ from shoal_protos.messages import (
     PieceError,
     RequestPiece,
 )
-
-from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend
-from shoal_engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +91,28 @@ class EngineService:
 
     def _add(self, add: AddRequest) -> None:
         if self._draining:
-            self._emit(add.reply_to, RequestPiece(
-                add.request_id, 0, finish_reason=FinishReason.ERROR,
-                error=PieceError("engine_draining", f"engine {self._engine_id} is draining", retryable=True),
-            ))
+            self._emit(
+                add.reply_to,
+                RequestPiece(
+                    add.request_id,
+                    0,
+                    finish_reason=FinishReason.ERROR,
+                    error=PieceError(
+                        "engine_draining", f"engine {self._engine_id} is draining", retryable=True
+                    ),
+                ),
+            )
             return
         if add.request_id in self._running:
-            self._emit(add.reply_to, RequestPiece(
-                add.request_id, 0, finish_reason=FinishReason.ERROR,
-                error=PieceError("duplicate_request", f"request {add.request_id} already runs here"),
-            ))
+            self._emit(
+                add.reply_to,
+                RequestPiece(
+                    add.request_id,
+                    0,
+                    finish_reason=FinishReason.ERROR,
+                    error=PieceError("duplicate_request", f"request {add.request_id} already runs here"),
+                ),
+            )
             return
         running = _Running(add)
         self._running[add.request_id] = running
@@ -155,8 +166,13 @@ class EngineService:
         add, produced = running.add, running.produced
 
         def ended(reason: FinishReason, error: PieceError) -> RequestPiece:
-            return RequestPiece(add.request_id, produced, finish_reason=reason,
-                                num_prompt_tokens=len(add.prompt_token_ids), error=error)
+            return RequestPiece(
+                add.request_id,
+                produced,
+                finish_reason=reason,
+                num_prompt_tokens=len(add.prompt_token_ids),
+                error=error,
+            )
 
         if task.cancelled():
             return ended(FinishReason.ABORT, PieceError("aborted", running.abort_reason or "aborted"))

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from shoal_protos.messages import FinishReason, SamplingOptions
 from vllm import SamplingParams, TokensPrompt
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -32,6 +31,7 @@ from shoal_engine.backend import (
     BackendRequestError,
 )
 from shoal_engine.config import EngineConfig
+from shoal_protos.messages import FinishReason, SamplingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +112,7 @@ class VllmBackend:
             enable_log_requests=False,
         )
         load = self._load
-        self._llm = AsyncLLM.from_engine_args(
-            args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)]
-        )
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)])
         vllm_config = self._llm.vllm_config
         self._load.kv_blocks_total = vllm_config.cache_config.num_gpu_blocks or 0
         return BackendInfo(
@@ -145,7 +143,9 @@ class VllmBackend:
             raise BackendRequestError(str(exc)) from exc
         except EngineGenerateError as exc:
             cause = exc.__cause__
-            raise BackendRequestError(f"{type(cause).__name__}: {cause}" if cause else "generate failed") from exc
+            raise BackendRequestError(
+                f"{type(cause).__name__}: {cause}" if cause else "generate failed"
+            ) from exc
 
     def load(self) -> BackendLoad:
         return self._load

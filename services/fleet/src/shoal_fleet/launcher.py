@@ -35,8 +35,9 @@ import grpc
 import msgspec
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from shoal_protos.records import EngineState, Keys, engine_record_decoder
 from supervisor.xmlrpc import SupervisorTransport
+
+from shoal_protos.records import EngineState, Keys, engine_record_decoder
 
 
 class FleetError(RuntimeError):
@@ -88,8 +89,15 @@ class FleetConfig:
         return f"engine-{index}"
 
 
-def _program(name: str, command: list[str], log: Path, env: dict[str, str], restart: bool,
-             stop_wait_s: float, priority: int) -> str:
+def _program(
+    name: str,
+    command: list[str],
+    log: Path,
+    env: dict[str, str],
+    restart: bool,
+    stop_wait_s: float,
+    priority: int,
+) -> str:
     env_line = ",".join(f'{key}="{value}"' for key, value in sorted(env.items()))
     lines = [
         f"[program:{name}]",
@@ -117,7 +125,9 @@ def supervisord_config(cfg: FleetConfig) -> str:
     run, logs = cfg.run_dir, cfg.run_dir / "logs"
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
-        raise FleetError("redis-server is not installed (Debian package redis-server); `make setup` installs it")
+        raise FleetError(
+            "redis-server is not installed (Debian package redis-server); `make setup` installs it"
+        )
     parts = [
         "[supervisord]",
         "nodaemon=true",
@@ -136,24 +146,74 @@ def supervisord_config(cfg: FleetConfig) -> str:
         "",
     ]
     common_env = {"PYTHONUNBUFFERED": "1", **cfg.extra_env}
-    parts.append(_program(
-        "redis", [redis_bin, "--bind", cfg.host, "--port", str(cfg.redis_port), "--save", "",
-                  "--appendonly", "no"],
-        logs / "redis.log", {}, cfg.restart, 10, 10))
-    parts.append(_program(
-        "tokenizer", [cfg.python, "-m", "shoal_tokenizer.main", "--model",
-                      f"{cfg.served_model_name}={cfg.model_path}", "--host", cfg.host,
-                      "--port", str(cfg.tokenizer_port)],
-        logs / "tokenizer.log", common_env, cfg.restart, 10, 20))
+    parts.append(
+        _program(
+            "redis",
+            [
+                redis_bin,
+                "--bind",
+                cfg.host,
+                "--port",
+                str(cfg.redis_port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            logs / "redis.log",
+            {},
+            cfg.restart,
+            10,
+            10,
+        )
+    )
+    parts.append(
+        _program(
+            "tokenizer",
+            [
+                cfg.python,
+                "-m",
+                "shoal_tokenizer.main",
+                "--model",
+                f"{cfg.served_model_name}={cfg.model_path}",
+                "--host",
+                cfg.host,
+                "--port",
+                str(cfg.tokenizer_port),
+            ],
+            logs / "tokenizer.log",
+            common_env,
+            cfg.restart,
+            10,
+            20,
+        )
+    )
     cores = os.cpu_count() or 1
     for i in range(cfg.engines):
         command = [
-            cfg.python, "-m", "shoal_engine.main", "--model", str(cfg.model_path),
-            "--served-model-name", cfg.served_model_name, "--engine-id", cfg.engine_id(i),
-            "--cluster", cfg.cluster, "--redis-url", cfg.redis_url, "--host", cfg.host,
-            "--zmq-port", str(cfg.engine_zmq_base_port + i),
-            "--http-port", str(cfg.engine_http_base_port + i),
-            "--heartbeat-ttl", str(cfg.heartbeat_ttl_s), "--drain-timeout", str(cfg.drain_timeout_s),
+            cfg.python,
+            "-m",
+            "shoal_engine.main",
+            "--model",
+            str(cfg.model_path),
+            "--served-model-name",
+            cfg.served_model_name,
+            "--engine-id",
+            cfg.engine_id(i),
+            "--cluster",
+            cfg.cluster,
+            "--redis-url",
+            cfg.redis_url,
+            "--host",
+            cfg.host,
+            "--zmq-port",
+            str(cfg.engine_zmq_base_port + i),
+            "--http-port",
+            str(cfg.engine_http_base_port + i),
+            "--heartbeat-ttl",
+            str(cfg.heartbeat_ttl_s),
+            "--drain-timeout",
+            str(cfg.drain_timeout_s),
         ]
         # One process fewer per engine: the model runs inside vLLM's engine-core process.
         command += ["--executor-backend", "uni"]
@@ -161,16 +221,52 @@ def supervisord_config(cfg: FleetConfig) -> str:
             command.append("--enforce-eager")
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]
-        env = {**common_env, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
-               "VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
-        parts.append(_program(cfg.engine_id(i), command, logs / f"{cfg.engine_id(i)}.log", env,
-                              cfg.restart, cfg.drain_timeout_s + 15, 30))
-    parts.append(_program(
-        "router", [cfg.python, "-m", "shoal_router.main", "--model", cfg.served_model_name,
-                   "--cluster", cfg.cluster, "--redis-url", cfg.redis_url,
-                   "--tokenizer", f"{cfg.host}:{cfg.tokenizer_port}", "--host", cfg.host,
-                   "--port", str(cfg.router_port), "--zmq-port", str(cfg.router_zmq_port)],
-        logs / "router.log", common_env, cfg.restart, 10, 40))
+        env = {
+            **common_env,
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),
+        }
+        parts.append(
+            _program(
+                cfg.engine_id(i),
+                command,
+                logs / f"{cfg.engine_id(i)}.log",
+                env,
+                cfg.restart,
+                cfg.drain_timeout_s + 15,
+                30,
+            )
+        )
+    parts.append(
+        _program(
+            "router",
+            [
+                cfg.python,
+                "-m",
+                "shoal_router.main",
+                "--model",
+                cfg.served_model_name,
+                "--cluster",
+                cfg.cluster,
+                "--redis-url",
+                cfg.redis_url,
+                "--tokenizer",
+                f"{cfg.host}:{cfg.tokenizer_port}",
+                "--host",
+                cfg.host,
+                "--port",
+                str(cfg.router_port),
+                "--zmq-port",
+                str(cfg.router_zmq_port),
+            ],
+            logs / "router.log",
+            common_env,
+            cfg.restart,
+            10,
+            40,
+        )
+    )
     return "\n".join(parts)
 
 
@@ -191,20 +287,28 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         conf = cfg.run_dir / "supervisord.conf"
         conf.write_text(supervisord_config(cfg))
-        supervisord = shutil.which("supervisord", path=str(Path(cfg.python).parent)) or shutil.which("supervisord")
+        supervisord = shutil.which("supervisord", path=str(Path(cfg.python).parent)) or shutil.which(
+            "supervisord"
+        )
         if supervisord is None:
             raise FleetError("supervisord is not installed in this environment; run `make setup`")
-        self._say(f"starting {cfg.engines} engine(s) of {cfg.served_model_name}, tokenizer, Redis and "
-                  f"router (logs in {self.log_dir})")
+        self._say(
+            f"starting {cfg.engines} engine(s) of {cfg.served_model_name}, tokenizer, Redis and "
+            f"router (logs in {self.log_dir})"
+        )
         self._proc = subprocess.Popen([supervisord, "-c", str(conf)], start_new_session=new_session)
 
     def _check_alive(self) -> None:
         if self._proc is not None and self._proc.poll() is not None:
-            raise FleetError(f"supervisord exited with {self._proc.returncode}; see {self.cfg.run_dir}/supervisord.log")
+            raise FleetError(
+                f"supervisord exited with {self._proc.returncode}; see {self.cfg.run_dir}/supervisord.log"
+            )
 
     def _rpc(self) -> xmlrpc.client.ServerProxy:
         sock = self.cfg.run_dir / "supervisor.sock"
-        return xmlrpc.client.ServerProxy("http://localhost", transport=SupervisorTransport(None, None, f"unix://{sock}"))
+        return xmlrpc.client.ServerProxy(
+            "http://localhost", transport=SupervisorTransport(None, None, f"unix://{sock}")
+        )
 
     def _check_program(self, program: str) -> None:
         """Fail at once when a program gave up (FATAL) or exited and will not be restarted."""
@@ -215,8 +319,10 @@ class Fleet:
         state = info["statename"]
         if state == "FATAL" or (state == "EXITED" and not self.cfg.restart):
             tail = _tail(self.log_dir / f"{program}.log")
-            raise FleetError(f"{program} exited ({info['description']}); last lines of "
-                             f"{self.log_dir / program}.log:\n{tail}")
+            raise FleetError(
+                f"{program} exited ({info['description']}); last lines of "
+                f"{self.log_dir / program}.log:\n{tail}"
+            )
 
     def _wait(self, what: str, ready: Callable[[], bool], deadline: float, log: str) -> None:
         started = time.monotonic()
@@ -235,16 +341,27 @@ class Fleet:
         client = redis.Redis.from_url(cfg.redis_url)
         try:
             self._wait("redis", lambda: _redis_ping(client), deadline, "redis.log")
-            self._wait("tokenizer", lambda: _grpc_serving(f"{cfg.host}:{cfg.tokenizer_port}"), deadline,
-                       "tokenizer.log")
+            self._wait(
+                "tokenizer",
+                lambda: _grpc_serving(f"{cfg.host}:{cfg.tokenizer_port}"),
+                deadline,
+                "tokenizer.log",
+            )
             keys = Keys(cfg.cluster)
             for i in range(cfg.engines):
                 engine_id = cfg.engine_id(i)
-                self._wait(f"{engine_id} (loading the model takes a while)",
-                           lambda eid=engine_id: _engine_active(client, keys, eid),  # type: ignore[misc]
-                           deadline, f"{engine_id}.log")
-            self._wait(f"router (sees {cfg.engines} engine(s))",
-                       lambda: _router_sees(cfg.base_url, cfg.engines), deadline, "router.log")
+                self._wait(
+                    f"{engine_id} (loading the model takes a while)",
+                    lambda eid=engine_id: _engine_active(client, keys, eid),  # type: ignore[misc]
+                    deadline,
+                    f"{engine_id}.log",
+                )
+            self._wait(
+                f"router (sees {cfg.engines} engine(s))",
+                lambda: _router_sees(cfg.base_url, cfg.engines),
+                deadline,
+                "router.log",
+            )
         finally:
             client.close()
 

@@ -21,22 +21,32 @@ MODELS = {
 
 
 def parse_args(argv: list[str] | None = None) -> FleetConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2",
-                        help="smollm2, tiny, or a Hugging Face model folder (default: smollm2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2, tiny, or a Hugging Face model folder (default: smollm2)"
+    )
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--models-dir", type=Path, default=Path(".cache/models"))
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--port", type=int, default=8000, help="router HTTP port")
     parser.add_argument("--redis-port", type=int, default=6379)
     parser.add_argument("--tokenizer-port", type=int, default=50051)
-    parser.add_argument("--engine-base-port", type=int, default=5600,
-                        help="engine i takes ZeroMQ port BASE+i and HTTP port BASE+500+i")
+    parser.add_argument(
+        "--engine-base-port",
+        type=int,
+        default=5600,
+        help="engine i takes ZeroMQ port BASE+i and HTTP port BASE+500+i",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     parser.add_argument("--run-dir", type=Path, default=Path(".cache/run"))
-    parser.add_argument("--compile", action="store_true",
-                        help="let vLLM compile the model graph (slower start; off by default on the CPU)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="let vLLM compile the model graph (slower start; off by default on the CPU)",
+    )
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
     args = parser.parse_args(argv)
     if args.model in MODELS:
@@ -49,11 +59,18 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
     if args.engines < 1:
         parser.error("--engines must be at least 1")
     return FleetConfig(
-        model_path=path.resolve(), served_model_name=args.served_model_name or name,
-        run_dir=args.run_dir.resolve(), engines=args.engines, router_port=args.port,
-        redis_port=args.redis_port, tokenizer_port=args.tokenizer_port,
-        engine_zmq_base_port=args.engine_base_port, engine_http_base_port=args.engine_base_port + 500,
-        max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib, restart=not args.no_restart,
+        model_path=path.resolve(),
+        served_model_name=args.served_model_name or name,
+        run_dir=args.run_dir.resolve(),
+        engines=args.engines,
+        router_port=args.port,
+        redis_port=args.redis_port,
+        tokenizer_port=args.tokenizer_port,
+        engine_zmq_base_port=args.engine_base_port,
+        engine_http_base_port=args.engine_base_port + 500,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        restart=not args.no_restart,
         enforce_eager=not args.compile,
     )
 
@@ -72,11 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         fleet.stop()
         raise SystemExit(1) from None
     url = cfg.base_url
-    print(f"\nShoal is serving {cfg.served_model_name} at {url}/v1  (Ctrl-C stops the fleet)\n"
-          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          f"    -d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": "
-          f"[{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'\n"
-          f"  logs: {fleet.log_dir}/*.log\n", flush=True)
+    print(
+        f"\nShoal is serving {cfg.served_model_name} at {url}/v1  (Ctrl-C stops the fleet)\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f'    -d \'{{"model": "{cfg.served_model_name}", "messages": '
+        f'[{{"role": "user", "content": "What is the capital of France?"}}]}}\'\n'
+        f"  logs: {fleet.log_dir}/*.log\n",
+        flush=True,
+    )
     code = fleet.wait()
     print("fleet stopped", flush=True)
     raise SystemExit(code)

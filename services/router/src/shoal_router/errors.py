@@ -31,7 +31,14 @@ class RouterError(Exception):
         self.code = code
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class InvalidRequestError(RouterError):
@@ -57,7 +64,8 @@ class ModelNotFoundError(RouterError):
     def __init__(self, model: str, served: list[str]) -> None:
         super().__init__(
             f"The model {model!r} does not exist. Served models: {', '.join(served) or 'none'}.",
-            param="model", code="model_not_found",
+            param="model",
+            code="model_not_found",
         )
 
 

@@ -19,8 +19,8 @@ import uvicorn
 import uvloop
 import zmq.asyncio
 from fastapi import FastAPI
-from shoal_protos.records import Keys
 
+from shoal_protos.records import Keys
 from shoal_router.api.app import create_app
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
@@ -33,7 +33,9 @@ logger = logging.getLogger("shoal.router")
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
-    parser = argparse.ArgumentParser(description="Shoal router: OpenAI-compatible API over a fleet of engines.")
+    parser = argparse.ArgumentParser(
+        description="Shoal router: OpenAI-compatible API over a fleet of engines."
+    )
     parser.add_argument("--model", action="append", default=[], help="served model name; repeatable")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--router-id", default="router-0")
@@ -44,8 +46,14 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--zmq-port", type=int, default=5700)
     args = parser.parse_args(argv)
     return RouterConfig(
-        models=args.model, cluster=args.cluster, router_id=args.router_id, redis_url=args.redis_url,
-        tokenizer_address=args.tokenizer, host=args.host, port=args.port, zmq_port=args.zmq_port,
+        models=args.model,
+        cluster=args.cluster,
+        router_id=args.router_id,
+        redis_url=args.redis_url,
+        tokenizer_address=args.tokenizer,
+        host=args.host,
+        port=args.port,
+        zmq_port=args.zmq_port,
     )
 
 
@@ -60,8 +68,9 @@ def build_app(config: RouterConfig) -> FastAPI:
         if view is not None:
             view.connected = up
 
-    engines = EngineClient(ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm,
-                           on_link=link_changed)
+    engines = EngineClient(
+        ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm, on_link=link_changed
+    )
     redis_client = aioredis.Redis.from_url(config.redis_url)
 
     def engine_lost(engine_id: str, reason: str) -> None:
@@ -69,27 +78,44 @@ def build_app(config: RouterConfig) -> FastAPI:
         if failed:
             logger.warning("engine %s %s: %d requests on it end with an error", engine_id, reason, failed)
 
-    fleet = FleetView(redis_client, Keys(config.cluster),
-                      on_engine_added=lambda record: engines.connect(record.engine_id, record.zmq_address),
-                      on_engine_lost=engine_lost)
+    fleet = FleetView(
+        redis_client,
+        Keys(config.cluster),
+        on_engine_added=lambda record: engines.connect(record.engine_id, record.zmq_address),
+        on_engine_lost=engine_lost,
+    )
     tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
-    generation = Generation(config.router_id, config.models, fleet, engines, metrics,
-                            config.max_inflight_requests, config.max_dispatch_attempts)
+    generation = Generation(
+        config.router_id,
+        config.models,
+        fleet,
+        engines,
+        metrics,
+        config.max_inflight_requests,
+        config.max_dispatch_attempts,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(engines.ingest_forever(), name="zmq-ingest"),
-                 asyncio.create_task(fleet.poll_forever(config.fleet_poll_interval_s), name="fleet-poll")]
-        logger.info("router %s: outputs on %s, serving %s", config.router_id, engines.reply_to,
-                    ", ".join(config.models) or "every model in the fleet")
+        tasks = [
+            asyncio.create_task(engines.ingest_forever(), name="zmq-ingest"),
+            asyncio.create_task(fleet.poll_forever(config.fleet_poll_interval_s), name="fleet-poll"),
+        ]
+        logger.info(
+            "router %s: outputs on %s, serving %s",
+            config.router_id,
+            engines.reply_to,
+            ", ".join(config.models) or "every model in the fleet",
+        )
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            engines.close()
-            ctx.term()
+            await engines.aclose()
+            # destroy, not term: term would wait forever on any socket still open.
+            ctx.destroy(linger=0)
             await tokenizer.close()
             await redis_client.aclose()
 
@@ -97,9 +123,15 @@ def build_app(config: RouterConfig) -> FastAPI:
 
 
 async def serve(config: RouterConfig) -> None:
-    server = uvicorn.Server(uvicorn.Config(
-        build_app(config), host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(config),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )
     await server.serve()
 
 

@@ -12,24 +12,48 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "shoal_router_requests", "HTTP requests answered, by endpoint and status code.",
-            ["endpoint", "status"], registry=r)
+            "shoal_router_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.inflight = Gauge("shoal_router_requests_inflight", "Generation requests in flight.", registry=r)
         self.dispatched = Counter(
-            "shoal_router_dispatched", "Requests sent to each engine.", ["engine", "model"], registry=r)
+            "shoal_router_dispatched", "Requests sent to each engine.", ["engine", "model"], registry=r
+        )
         self.dispatch_retries = Counter(
-            "shoal_router_dispatch_retries", "Requests sent again after an engine refused them.", registry=r)
-        self.engines = Gauge("shoal_router_engines", "Engines seen in Redis, by model and state.",
-                             ["model", "state"], registry=r)
-        self.ttft = Histogram("shoal_router_time_to_first_token_seconds",
-                              "From request arrival to the first output token.", ["model"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.token_gap = Histogram("shoal_router_inter_token_seconds",
-                                   "Mean gap between output tokens of a request, observed per delta.",
-                                   ["model"], buckets=_TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("shoal_router_request_seconds", "From request arrival to its end.",
-                             ["model", "finish_reason"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("shoal_router_prompt_tokens", "Prompt tokens of requests.",
-                                     ["model"], registry=r)
-        self.output_tokens = Counter("shoal_router_output_tokens", "Output tokens delivered.",
-                                     ["model"], registry=r)
+            "shoal_router_dispatch_retries", "Requests sent again after an engine refused them.", registry=r
+        )
+        self.engines = Gauge(
+            "shoal_router_engines",
+            "Engines seen in Redis, by model and state.",
+            ["model", "state"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "shoal_router_time_to_first_token_seconds",
+            "From request arrival to the first output token.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.token_gap = Histogram(
+            "shoal_router_inter_token_seconds",
+            "Mean gap between output tokens of a request, observed per delta.",
+            ["model"],
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "shoal_router_request_seconds",
+            "From request arrival to its end.",
+            ["model", "finish_reason"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "shoal_router_prompt_tokens", "Prompt tokens of requests.", ["model"], registry=r
+        )
+        self.output_tokens = Counter(
+            "shoal_router_output_tokens", "Output tokens delivered.", ["model"], registry=r
+        )

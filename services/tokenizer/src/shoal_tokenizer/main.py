@@ -14,8 +14,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from shoal_protos import tokenizer_pb2_grpc as pb_grpc
 
+from shoal_protos import tokenizer_pb2_grpc as pb_grpc
 from shoal_tokenizer.config import TokenizerConfig
 from shoal_tokenizer.service import TokenizerServicer, load_model
 
@@ -27,7 +27,10 @@ SERVICE_NAME = "shoal.tokenizer.v1.Tokenizer"
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--model", action="append", required=True, metavar="NAME=PATH",
+        "--model",
+        action="append",
+        required=True,
+        metavar="NAME=PATH",
         help="served model name and its tokenizer folder; repeat for several models",
     )
     parser.add_argument("--host", default="127.0.0.1")

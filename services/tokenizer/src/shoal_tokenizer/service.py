@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
 from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import msgspec
 import zmq
+
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,

@@ -62,12 +62,19 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 def _usage(handle: GenerationHandle) -> dict[str, int]:
-    return {"prompt_tokens": handle.prompt_tokens, "completion_tokens": handle.output_tokens,
-            "total_tokens": handle.prompt_tokens + handle.output_tokens}
+    return {
+        "prompt_tokens": handle.prompt_tokens,
+        "completion_tokens": handle.output_tokens,
+        "total_tokens": handle.prompt_tokens + handle.output_tokens,
+    }
 
 
-def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s: int,
-               lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+def create_app(
+    generation: Generation,
+    tokenizer: TokenizerClient,
+    retry_after_s: int,
+    lifespan: Callable[[FastAPI], Any] | None = None,
+) -> FastAPI:
     app = FastAPI(title="Shoal router", version="0.1.0", lifespan=lifespan)
     metrics = generation.metrics
 
@@ -96,10 +103,16 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
     @app.get("/health")
     async def health() -> JSONResponse:
         engines = generation.fleet.engines
-        body = {"status": "ok", "redis": generation.fleet.redis_ok,
-                "engines": {eid: str(view.record.state) if view.connected else "UNREACHABLE"
-                            for eid, view in engines.items()},
-                "models": generation.served_models(), "inflight": generation.inflight}
+        body = {
+            "status": "ok",
+            "redis": generation.fleet.redis_ok,
+            "engines": {
+                eid: str(view.record.state) if view.connected else "UNREACHABLE"
+                for eid, view in engines.items()
+            },
+            "models": generation.served_models(),
+            "inflight": generation.inflight,
+        }
         ready = generation.fleet.redis_ok and any(view.dispatchable for view in engines.values())
         if not ready:
             body["status"] = "unavailable"
@@ -115,9 +128,16 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         created = _now()
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "shoal",
-                 "max_model_len": generation.fleet.max_model_len(name)}
-                for name in generation.served_models()]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "shoal",
+                "max_model_len": generation.fleet.max_model_len(name),
+            }
+            for name in generation.served_models()
+        ]
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
@@ -137,11 +157,24 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
         prompt_ids = await tokenizer.tokenize_chat(body.model, messages)
         return await _generate(request, body, prompt_ids, body.output_limit(), chat=True)
 
-    async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest,
-                        prompt_ids: list[int], max_tokens: int | None, chat: bool) -> Response:
+    async def _generate(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        chat: bool,
+    ) -> Response:
         sampling = generation.sampling(
-            body.model, len(prompt_ids), max_tokens, temperature=body.temperature, top_p=body.top_p,
-            top_k=body.top_k, seed=body.seed, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+            body.model,
+            len(prompt_ids),
+            max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop=body.stop_list(),
+            ignore_eos=body.ignore_eos,
+        )
         handle = generation.start(body.model, prompt_ids, sampling)
         deltas = handle.deltas()
         # Wait for the first output before answering, so that an engine refusing the request
@@ -158,18 +191,24 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
         if body.stream:
             return StreamingResponse(
                 _stream(handle, body, first, deltas, response_id, chat),
-                media_type="text/event-stream", headers=_SSE_HEADERS)
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
         return await _collect(request, handle, body, first, deltas, response_id, chat)
 
-    async def _stream(handle: GenerationHandle, body: CompletionRequest | ChatCompletionRequest,
-                      first: RequestDelta, deltas: AsyncIterator[RequestDelta], response_id: str,
-                      chat: bool) -> AsyncIterator[bytes]:
+    async def _stream(
+        handle: GenerationHandle,
+        body: CompletionRequest | ChatCompletionRequest,
+        first: RequestDelta,
+        deltas: AsyncIterator[RequestDelta],
+        response_id: str,
+        chat: bool,
+    ) -> AsyncIterator[bytes]:
         created = _now()
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: RequestDelta, first_chunk: bool = False) -> bytes:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                      "finish_reason": _finish(delta)}
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(delta)}
             if chat:
                 content: dict[str, Any] = {"content": delta.text}
                 if first_chunk:
@@ -179,8 +218,13 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
                 choice["text"] = delta.text
             if body.return_token_ids:
                 choice["token_ids"] = delta.token_ids
-            payload: dict[str, Any] = {"id": response_id, "object": obj, "created": created,
-                                       "model": body.model, "choices": [choice]}
+            payload: dict[str, Any] = {
+                "id": response_id,
+                "object": obj,
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+            }
             if first_chunk and body.return_token_ids:
                 payload["prompt_token_ids"] = handle._add.prompt_token_ids
             if body.include_usage:
@@ -193,8 +237,16 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
                 async for delta in deltas:
                     yield chunk(delta)
             if body.include_usage:
-                yield _sse({"id": response_id, "object": obj, "created": created, "model": body.model,
-                            "choices": [], "usage": _usage(handle)})
+                yield _sse(
+                    {
+                        "id": response_id,
+                        "object": obj,
+                        "created": created,
+                        "model": body.model,
+                        "choices": [],
+                        "usage": _usage(handle),
+                    }
+                )
             yield b"data: [DONE]\n\n"
         except RouterError as exc:
             logger.warning("request %s failed while streaming: %s", handle.request_id, exc.message)
@@ -202,9 +254,15 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
         finally:
             await _aclose(deltas)
 
-    async def _collect(request: Request, handle: GenerationHandle,
-                       body: CompletionRequest | ChatCompletionRequest, first: RequestDelta,
-                       deltas: AsyncIterator[RequestDelta], response_id: str, chat: bool) -> Response:
+    async def _collect(
+        request: Request,
+        handle: GenerationHandle,
+        body: CompletionRequest | ChatCompletionRequest,
+        first: RequestDelta,
+        deltas: AsyncIterator[RequestDelta],
+        response_id: str,
+        chat: bool,
+    ) -> Response:
         parts = [first.text]
         token_ids = list(first.token_ids)
         last = first
@@ -217,9 +275,8 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
                 last = delta
 
         try:
-            if not first.finished:
-                if not await _until_disconnect(request, gather()):
-                    return Response(status_code=499)
+            if not first.finished and not await _until_disconnect(request, gather()):
+                return Response(status_code=499)
         finally:
             await _aclose(deltas)
         text = "".join(parts)
@@ -230,10 +287,16 @@ def create_app(generation: Generation, tokenizer: TokenizerClient, retry_after_s
             choice["text"] = text
         if body.return_token_ids:
             choice["token_ids"] = token_ids
-        return JSONResponse({
-            "id": response_id, "object": "chat.completion" if chat else "text_completion",
-            "created": _now(), "model": body.model, "choices": [choice], "usage": _usage(handle),
-        })
+        return JSONResponse(
+            {
+                "id": response_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": _now(),
+                "model": body.model,
+                "choices": [choice],
+                "usage": _usage(handle),
+            }
+        )
 
     return app
 

@@ -13,8 +13,19 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_NOT_SUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions",
-                  "response_format", "logit_bias", "tool_choice", "function_call")
+_NOT_SUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "best_of",
+    "suffix",
+    "tools",
+    "functions",
+    "response_format",
+    "logit_bias",
+    "tool_choice",
+    "function_call",
+)
 
 
 class StreamOptions(BaseModel):

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 from shoal_protos.messages import AddRequest, FinishReason, SamplingOptions
-
 from shoal_router.core.dispatch import EngineView, pick_least_loaded
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
 from shoal_router.errors import (
@@ -59,9 +58,19 @@ class Generation:
         if model not in self._configured and model not in self.fleet.models():
             raise ModelNotFoundError(model, self.served_models())
 
-    def sampling(self, model: str, prompt_len: int, max_tokens: int | None, *, temperature: float | None,
-                 top_p: float | None, top_k: int | None, seed: int | None, stop: list[str],
-                 ignore_eos: bool) -> SamplingOptions:
+    def sampling(
+        self,
+        model: str,
+        prompt_len: int,
+        max_tokens: int | None,
+        *,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int | None,
+        stop: list[str],
+        ignore_eos: bool,
+    ) -> SamplingOptions:
         max_len = self.fleet.max_model_len(model)
         if max_len is None:
             raise NoEngineError(model)
@@ -87,9 +96,14 @@ class Generation:
         if self.inflight >= self._max_inflight:
             raise TooManyRequestsError(
                 f"this router has {self.inflight} requests in flight (max_inflight_requests); retry later",
-                code="router_busy")
-        handle = GenerationHandle(self, model, f"{self._router_id}-{uuid.uuid4().hex}",
-                                  AddRequest("", prompt_token_ids, sampling, self.engines.reply_to))
+                code="router_busy",
+            )
+        handle = GenerationHandle(
+            self,
+            model,
+            f"{self._router_id}-{uuid.uuid4().hex}",
+            AddRequest("", prompt_token_ids, sampling, self.engines.reply_to),
+        )
         handle.dispatch()
         return handle
 
@@ -149,8 +163,12 @@ class GenerationHandle:
             while True:
                 delta = await self.collector.get()
                 error = delta.error
-                if (error is not None and error.retryable and self.collector.delivered == 0
-                        and len(self._tried) < gen.max_attempts):
+                if (
+                    error is not None
+                    and error.retryable
+                    and self.collector.delivered == 0
+                    and len(self._tried) < gen.max_attempts
+                ):
                     self._leave_engine()
                     gen.engines.release(self.request_id)
                     self.collector.reset_for_retry()

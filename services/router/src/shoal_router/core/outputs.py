@@ -75,8 +75,11 @@ class RequestOutputCollector:
         """End the request with an error from the router's side (for example its engine died)."""
         if self.finished:
             return
-        self._accept("", RequestPiece(self.request_id, self.delivered, finish_reason=FinishReason.ERROR,
-                                      error=error), 0)
+        self._accept(
+            "",
+            RequestPiece(self.request_id, self.delivered, finish_reason=FinishReason.ERROR, error=error),
+            0,
+        )
 
     def _accept(self, engine_id: str, piece: RequestPiece, overlap: int) -> None:
         pending = self._pending

@@ -27,6 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -35,7 +36,6 @@ from shoal_protos.messages import (
     PieceError,
     RouterRequestEncoder,
 )
-
 from shoal_router.core.outputs import RequestOutputCollector
 from shoal_router.errors import ServiceUnavailableError
 
@@ -51,8 +51,9 @@ class _Tracked:
 
 
 class EngineClient:
-    def __init__(self, ctx: zmq.asyncio.Context, reply_to: str, send_hwm: int,
-                 on_link: Callable[[str, bool], None]) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, reply_to: str, send_hwm: int, on_link: Callable[[str, bool], None]
+    ) -> None:
         self.reply_to = reply_to
         self._ctx = ctx
         self._on_link = on_link
@@ -85,8 +86,9 @@ class EngineClient:
         monitor.connect(monitor_address)
         sock.connect(address)
         self._sockets[engine_id] = sock
-        self._monitors[engine_id] = asyncio.create_task(self._watch_link(engine_id, monitor),
-                                                        name=f"link-{engine_id}")
+        self._monitors[engine_id] = asyncio.create_task(
+            self._watch_link(engine_id, monitor), name=f"link-{engine_id}"
+        )
 
     async def _watch_link(self, engine_id: str, monitor: zmq.asyncio.Socket) -> None:
         try:
@@ -95,8 +97,9 @@ class EngineClient:
                 up = event["event"] == zmq.EVENT_CONNECTED
                 if not up:
                     failed = self.fail_requests(engine_id, "dropped its connection")
-                    logger.warning("lost the link to engine %s; %d requests on it end with an error",
-                                   engine_id, failed)
+                    logger.warning(
+                        "lost the link to engine %s; %d requests on it end with an error", engine_id, failed
+                    )
                 self._on_link(engine_id, up)
         finally:
             monitor.close(linger=0)
@@ -149,10 +152,13 @@ class EngineClient:
         lost = [rid for rid, t in self._requests.items() if t.engine_id == engine_id]
         for request_id in lost:
             tracked = self._requests.pop(request_id)
-            tracked.collector.fail(PieceError(
-                "engine_lost", f"engine {engine_id} {reason} while generating this request",
-                retryable=tracked.collector.delivered == 0,
-            ))
+            tracked.collector.fail(
+                PieceError(
+                    "engine_lost",
+                    f"engine {engine_id} {reason} while generating this request",
+                    retryable=tracked.collector.delivered == 0,
+                )
+            )
         return len(lost)
 
     async def ingest_forever(self) -> None:
@@ -176,9 +182,11 @@ class EngineClient:
                 if i and i % _CHUNK == 0:
                     await asyncio.sleep(0)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         for task in self._monitors.values():
             task.cancel()
+        await asyncio.gather(*self._monitors.values(), return_exceptions=True)
+        self._monitors.clear()
         for sock in self._sockets.values():
             sock.close(linger=0)
         self._sockets.clear()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
 from shoal_protos.messages import PROTOCOL_VERSION
 from shoal_protos.records import (
     EngineRecord,
@@ -25,7 +26,6 @@ from shoal_protos.records import (
     engine_record_decoder,
     load_report_decoder,
 )
-
 from shoal_router.core.dispatch import EngineView
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,12 @@ class FleetView:
                 logger.warning("ignoring unreadable record of engine %s: %s", engine_id, exc)
                 continue
             if record.protocol_version != PROTOCOL_VERSION:
-                logger.warning("ignoring engine %s: protocol %d, router speaks %d",
-                               engine_id, record.protocol_version, PROTOCOL_VERSION)
+                logger.warning(
+                    "ignoring engine %s: protocol %d, router speaks %d",
+                    engine_id,
+                    record.protocol_version,
+                    PROTOCOL_VERSION,
+                )
                 continue
             if record.state == EngineState.DEAD:
                 continue
@@ -100,7 +104,9 @@ class FleetView:
                 self._on_lost(record.engine_id, "restarted at a new address")
             view = self.engines[record.engine_id] = EngineView(record)
             self._on_added(record)
-            logger.info("engine %s joined: model %s at %s", record.engine_id, record.model, record.zmq_address)
+            logger.info(
+                "engine %s joined: model %s at %s", record.engine_id, record.model, record.zmq_address
+            )
         view.record = record
         if report is not None:
             view.update_report(report)

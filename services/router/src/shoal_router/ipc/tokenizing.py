@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import grpc
+
 from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
-
 from shoal_router.errors import InvalidRequestError, RouterError, TokenizerUnavailableError
 
 
@@ -49,7 +49,9 @@ def _map_error(exc: grpc.aio.AioRpcError, param: str) -> RouterError:
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         return InvalidRequestError(details, param=param)
     if code == grpc.StatusCode.NOT_FOUND:
-        return TokenizerUnavailableError(f"the tokenizer does not serve this model: {details}",
-                                         code="tokenizer_missing_model")
-    return TokenizerUnavailableError(f"tokenizer service unavailable ({code.name}): {details}",
-                                     code="tokenizer_unavailable")
+        return TokenizerUnavailableError(
+            f"the tokenizer does not serve this model: {details}", code="tokenizer_missing_model"
+        )
+    return TokenizerUnavailableError(
+        f"tokenizer service unavailable ({code.name}): {details}", code="tokenizer_unavailable"
+    )
