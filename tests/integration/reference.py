@@ -22,8 +22,7 @@ def main() -> None:
         model=job["model"],
         dtype="bfloat16",
         max_model_len=2048,
-        enforce_eager=True,
-        distributed_executor_backend="uni",
+        enforce_eager=True
     )
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params)

@@ -43,8 +43,9 @@ class EngineConfig(BaseModel):
     somewhat slower. Tests use it."""
 
     executor_backend: str | None = None
-    """vLLM's ``distributed_executor_backend``: ``uni`` runs the model in the engine-core
-    process (one process fewer to start on a single device); None lets vLLM choose."""
+    """vLLM's ``distributed_executor_backend``; None lets vLLM choose. On a single GPU ``uni``
+    runs the model in the engine-core process (one process fewer to start); vLLM's CPU build
+    always uses ``mp``, since OpenMP must be set up in a fresh worker process."""
 
     max_num_seqs: int = Field(default=64, ge=1)
     """Requests vLLM runs in one batch; more wait in its queue."""

@@ -215,8 +215,6 @@ def supervisord_config(cfg: FleetConfig) -> str:
             "--drain-timeout",
             str(cfg.drain_timeout_s),
         ]
-        # One process fewer per engine: the model runs inside vLLM's engine-core process.
-        command += ["--executor-backend", "uni"]
         if cfg.enforce_eager:
             command.append("--enforce-eager")
         if cfg.max_model_len:
