@@ -18,12 +18,7 @@ def main() -> None:
         job = json.load(f)
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(
-        model=job["model"],
-        dtype="bfloat16",
-        max_model_len=2048,
-        enforce_eager=True
-    )
+    llm = LLM(model=job["model"], dtype="bfloat16", max_model_len=2048, enforce_eager=True)
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params)
     with open(out_path, "w") as f:
