@@ -4,10 +4,11 @@ Method
 ------
 Two targets serve SmolLM2-135M-Instruct with one vLLM CPU engine each, bound to core 0
 (``VLLM_CPU_OMP_THREADS_BIND=0``), bf16, eager mode, ``max_model_len`` 2048, 1 GiB of KV cache,
-``max_num_seqs`` 64, uni-process executor:
+``max_num_seqs`` 64, vLLM's default executor (the CPU build runs the model in a worker process
+beside the engine core, whatever ``--distributed-executor-backend`` says, so neither side sets it):
 
-* **vllm**: ``python -m vllm.entrypoints.openai.api_server`` (vLLM's API server process plus
-  its engine-core process);
+* **vllm**: ``python -m vllm.entrypoints.openai.api_server`` (vLLM's API server process, its
+  engine-core process and the worker);
 * **fleet**: ``shoal_fleet.launcher.Fleet`` with one engine (Redis, tokenizer, engine, router
   under supervisord), on ports away from ``make run``'s defaults.
 
@@ -509,8 +510,6 @@ class VllmServer:
             "--dtype",
             "bfloat16",
             "--enforce-eager",
-            "--distributed-executor-backend",
-            "uni",
         ]
 
     def start(self) -> None:
@@ -770,7 +769,7 @@ def markdown_section(
         "The same load against vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) "
         "and against a Shoal fleet (Redis, tokenizer, router, one engine), both with one vLLM CPU engine "
         "on core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`), bf16, eager mode, `max_model_len` 2048, 1 GiB KV "
-        f"cache, `max_num_seqs` {MAX_NUM_SEQS}, uni-process executor. The two run one after the other "
+        f"cache, `max_num_seqs` {MAX_NUM_SEQS}, vLLM's default executor. The two run one after the other "
         f"({'fleet' if cfg.fleet_first else 'vLLM'} first), never together.",
         "",
         "**Load.** Streaming `/v1/completions`, prompt = a list of exactly "
@@ -799,6 +798,8 @@ def markdown_section(
         results_table(summaries),
         "",
         deltas_table(deltas),
+        "",
+        load_note(cfg, summaries),
         "",
         f"![TTFT and TPOT, fleet vs vLLM]({rel_plot})",
         "",
@@ -835,6 +836,25 @@ def results_table(summaries: list[Summary]) -> str:
             f"{ms(s.e2e_p50_ms, 0)} | {s.output_tok_s:.1f} | {s.wall_s:.1f} s |"
         )
     return "\n".join(rows)
+
+
+def load_note(cfg: BenchConfig, summaries: list[Summary]) -> str:
+    """Say whether the rate scenario was within what one engine serves, from the concurrency scenario."""
+    capacity = [s.requests / s.wall_s for s in summaries if s.scenario == "concurrency" and s.wall_s > 0]
+    if not capacity:
+        return ""
+    served = max(capacity)
+    if cfg.rate <= served:
+        return (
+            f"The rate scenario ({cfg.rate:g} req/s) is within what the engine served in the concurrency "
+            f"scenario ({served:.2f} req/s at most), so its numbers are mostly service, not queueing."
+        )
+    return (
+        f"**Note:** the rate scenario ({cfg.rate:g} req/s) is past what one engine served in the "
+        f"concurrency scenario ({served:.2f} req/s at most): requests pile up and are batched together, "
+        "so its TPOT measures a large batch and its latencies mostly queueing. Its deltas say how the "
+        "two front ends behave under overload, not their overhead at a sustainable load."
+    )
 
 
 def deltas_table(deltas: list[Delta]) -> str:
@@ -997,6 +1017,8 @@ def main(argv: list[str] | None = None) -> None:
     say(results_table(summaries))
     say("")
     say(deltas_table(deltas))
+    say("")
+    say(load_note(cfg, summaries))
     say("")
     if cfg.write_docs:
         ready = {name: run.ready_s for name, run in runs.items()}
