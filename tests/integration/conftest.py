@@ -47,7 +47,7 @@ def _config(name: str, model_dir: str, served: str, run_dir: Path, engines: int,
         engine_http_base_port=16100 + 10 * offset,
         enforce_eager=True,
         restart=False,
-        heartbeat_ttl_s=2.0,
+        heartbeat_ttl_s=3.0,
         drain_timeout_s=5.0,
     )
 

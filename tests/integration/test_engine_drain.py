@@ -27,6 +27,15 @@ def _exited(pid: int) -> bool:
 
 def test_sigterm_finishes_running_request_then_leaves(smol_fleet: RunningFleet) -> None:
     engine_id = smol_fleet.cfg.engine_id(0)
+    # Earlier tests may have loaded the machine hard enough for a heartbeat to lapse; the
+    # engine registers again by itself, and the router must see it before this test starts.
+    wait_until(
+        lambda: (
+            httpx.get(smol_fleet.base_url + "/health", timeout=5).json()["engines"].get(engine_id) == "ACTIVE"
+        ),
+        15.0,
+        f"the router to see {engine_id} ACTIVE",
+    )
     record = smol_fleet.engine_record(engine_id)
     assert record is not None
     client = openai.OpenAI(base_url=smol_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

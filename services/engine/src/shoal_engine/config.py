@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)
     """Requests vLLM runs in one batch; more wait in its queue."""
 
-    heartbeat_ttl_s: float = Field(default=2.0, gt=0.2)
+    heartbeat_ttl_s: float = Field(default=3.0, gt=0.2)
     """The engine's Redis record expires this long after its last heartbeat: routers stop
     dispatching to an engine that died within this time."""
 

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
-    parser.add_argument("--heartbeat-ttl", type=float, default=2.0)
+    parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     args = parser.parse_args(argv)
     return EngineConfig(

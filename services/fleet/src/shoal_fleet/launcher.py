@@ -66,7 +66,7 @@ class FleetConfig:
     max_model_len: int | None = 2048
     kv_cache_gib: int = 1
     """KV cache space per engine (``VLLM_CPU_KVCACHE_SPACE``)."""
-    heartbeat_ttl_s: float = 2.0
+    heartbeat_ttl_s: float = 3.0
     drain_timeout_s: float = 20.0
     enforce_eager: bool = True
     """Skip vLLM's graph compilation in the engines. On the CPU this starts each engine about
@@ -97,6 +97,7 @@ def _program(
     restart: bool,
     stop_wait_s: float,
     priority: int,
+    drains: bool = False,
 ) -> str:
     env_line = ",".join(f'{key}="{value}"' for key, value in sorted(env.items()))
     lines = [
@@ -108,7 +109,9 @@ def _program(
         "startretries=3",
         "stopsignal=TERM",
         f"stopwaitsecs={int(stop_wait_s)}",
-        "stopasgroup=true",
+        # An engine drains on SIGTERM and then stops vLLM's processes itself: signal only the
+        # program, and SIGKILL its whole group only if it outlives stopwaitsecs.
+        f"stopasgroup={'false' if drains else 'true'}",
         "killasgroup=true",
         "redirect_stderr=true",
         f"stdout_logfile={log}",
@@ -234,6 +237,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 cfg.restart,
                 cfg.drain_timeout_s + 15,
                 30,
+                drains=True,
             )
         )
     parts.append(
