@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,3 +66,10 @@ class RunningFleet:
         record = self.engine_record(engine_id)
         assert record is not None, f"{engine_id} is not registered"
         return httpx.get(record.http_address + "/metrics", timeout=5).text
+
+
+def dispatched(fleet: RunningFleet) -> dict[str, float]:
+    """Requests the router sent to each engine, from its Prometheus counter."""
+    text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
+    pattern = r'shoal_router_dispatched_total\{engine="([^"]+)",model="[^"]+"\} ([0-9.e+]+)'
+    return {engine: float(count) for engine, count in re.findall(pattern, text)}

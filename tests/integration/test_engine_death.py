@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import RunningFleet, dispatched, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -30,9 +30,10 @@ def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
 
 
 async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: RunningFleet) -> None:
-    victim, survivor = tiny_fleet.cfg.engine_id(1), tiny_fleet.cfg.engine_id(0)
-    victim_record, survivor_record = tiny_fleet.engine_record(victim), tiny_fleet.engine_record(survivor)
-    assert victim_record is not None and survivor_record is not None
+    records = {i: tiny_fleet.engine_record(tiny_fleet.cfg.engine_id(i)) for i in range(2)}
+    assert all(records.values())
+    dispatched_before = dispatched(tiny_fleet)
+    chosen: list[str] = []
     client = openai.AsyncOpenAI(
         base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
     )
@@ -64,7 +65,11 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
         # A thread, so that the kill does not wait for the busy event loop.
         for event in have_tokens:
             assert event.wait(60), "a stream got no tokens"
-        _kill_engine(victim_record.pid)
+        # The victim is an engine that runs some of these streams, as the router counted them.
+        after = dispatched(tiny_fleet)
+        busy = [e for e in sorted(after, reverse=True) if after[e] > dispatched_before.get(e, 0)]
+        chosen.append(busy[0])
+        _kill_engine(next(r.pid for r in records.values() if r and r.engine_id == busy[0]))
 
     # Dispatch spreads four streams over the two engines; kill one once every stream has tokens,
     # so that none of them is simply sent again elsewhere.
@@ -73,6 +78,9 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
     tasks = [asyncio.create_task(long_stream(i)) for i in range(4)]
     results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
     killer.join()
+    victim = chosen[0]
+    survivor = next(r.engine_id for r in records.values() if r and r.engine_id != victim)
+    survivor_pid = next(r.pid for r in records.values() if r and r.engine_id == survivor)
     errors = [r for r in results if r.startswith("error")]
     assert errors, results
     assert all(victim in e for e in errors), errors
@@ -90,7 +98,7 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
 
     # With the machine quiet, time how fast the last engine leaves dispatch once killed.
-    _kill_engine(survivor_record.pid)
+    _kill_engine(survivor_pid)
     killed_at = time.monotonic()
     wait_until(
         lambda: _router_state(tiny_fleet, survivor) in (None, "UNREACHABLE"),
