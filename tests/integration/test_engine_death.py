@@ -4,6 +4,7 @@ leave dispatch within their heartbeat TTL. Runs last: it kills the shared tiny f
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -13,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, dispatched, wait_until
+from tests.integration.support import RunningFleet, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -30,61 +31,64 @@ def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
 
 
 async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: RunningFleet) -> None:
-    records = {i: tiny_fleet.engine_record(tiny_fleet.cfg.engine_id(i)) for i in range(2)}
-    assert all(records.values())
-    dispatched_before = dispatched(tiny_fleet)
-    chosen: list[str] = []
+    records = {
+        r.engine_id: r for i in range(2) if (r := tiny_fleet.engine_record(tiny_fleet.cfg.engine_id(i)))
+    }
+    assert len(records) == 2
+    engine_of: dict[int, str] = {}
+    first_with_tokens: list[int] = []
+    some_stream_has_tokens = threading.Event()
+    body = {
+        "model": tiny_fleet.model,
+        "prompt": [7, 8, 9],
+        "max_tokens": 1900,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    async def long_stream(http: httpx.AsyncClient, i: int) -> str:
+        """Read the SSE stream cheaply (the parsing of a full client would make this process,
+        not the engines, the bottleneck) and return how it ended."""
+        async with http.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            # The router names the engine in a header; it is sent with the first token.
+            engine_of[i] = reply.headers["x-shoal-engine"]
+            last = ""
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if not first_with_tokens:
+                    first_with_tokens.append(i)
+                    some_stream_has_tokens.set()
+                last = line
+        if last == "data: [DONE]":
+            return "completed"
+        error = json.loads(last.removeprefix("data: "))["error"]
+        return f"error: {error['message']}"
+
+    def kill_a_busy_engine() -> str:
+        # A thread, so that the kill does not wait for the busy event loop.
+        assert some_stream_has_tokens.wait(60), "no stream got tokens"
+        victim = engine_of[first_with_tokens[0]]
+        _kill_engine(records[victim].pid)
+        return victim
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        tasks = [asyncio.create_task(long_stream(http, i)) for i in range(4)]
+        victim = await asyncio.to_thread(kill_a_busy_engine)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+    survivor = next(engine_id for engine_id in records if engine_id != victim)
+    # Streams of the killed engine had tokens already (headers come with the first token), so
+    # they end with an error event naming it; the others complete.
+    for i, result in enumerate(results):
+        if engine_of[i] == victim:
+            assert result.startswith("error") and victim in result, (i, result)
+        else:
+            assert result == "completed", (i, result)
     client = openai.AsyncOpenAI(
         base_url=tiny_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=120
     )
-    have_tokens = [threading.Event() for _ in range(4)]
-
-    async def long_stream(i: int) -> str:
-        stream = await client.completions.create(
-            model=tiny_fleet.model,
-            prompt=[7, 8, 9],
-            max_tokens=1900,
-            stream=True,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        received = 0
-        try:
-            async for _ in stream:
-                received += 1
-                if received == 5:
-                    have_tokens[i].set()
-                # Hand the loop to the other streams: buffered chunks would let one task run
-                # its whole stream before the others read their first token.
-                await asyncio.sleep(0)
-        except openai.APIError as exc:
-            return f"error: {exc.message}"
-        return "completed"
-
-    def kill_once_all_have_tokens() -> None:
-        # A thread, so that the kill does not wait for the busy event loop.
-        for event in have_tokens:
-            assert event.wait(60), "a stream got no tokens"
-        # The victim is an engine that runs some of these streams, as the router counted them.
-        after = dispatched(tiny_fleet)
-        busy = [e for e in sorted(after, reverse=True) if after[e] > dispatched_before.get(e, 0)]
-        chosen.append(busy[0])
-        _kill_engine(next(r.pid for r in records.values() if r and r.engine_id == busy[0]))
-
-    # Dispatch spreads four streams over the two engines; kill one once every stream has tokens,
-    # so that none of them is simply sent again elsewhere.
-    killer = threading.Thread(target=kill_once_all_have_tokens)
-    killer.start()
-    tasks = [asyncio.create_task(long_stream(i)) for i in range(4)]
-    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
-    killer.join()
-    victim = chosen[0]
-    survivor = next(r.engine_id for r in records.values() if r and r.engine_id != victim)
-    survivor_pid = next(r.pid for r in records.values() if r and r.engine_id == survivor)
-    errors = [r for r in results if r.startswith("error")]
-    assert errors, results
-    assert all(victim in e for e in errors), errors
-    assert results.count("completed") == 4 - len(errors)
 
     # The heartbeat expires and the router forgets the engine; new requests go to the survivor.
     wait_until(
@@ -98,7 +102,7 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
 
     # With the machine quiet, time how fast the last engine leaves dispatch once killed.
-    _kill_engine(survivor_pid)
+    _kill_engine(records[survivor].pid)
     killed_at = time.monotonic()
     wait_until(
         lambda: _router_state(tiny_fleet, survivor) in (None, "UNREACHABLE"),

@@ -28,6 +28,8 @@ from shoal_router.ipc.tokenizing import TokenizerClient
 
 logger = logging.getLogger(__name__)
 
+ENGINE_HEADER = "X-Shoal-Engine"
+"""Response header naming the engine that produced the first tokens (for operators and tests)."""
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -192,7 +194,7 @@ def create_app(
             return StreamingResponse(
                 _stream(handle, body, first, deltas, response_id, chat),
                 media_type="text/event-stream",
-                headers=_SSE_HEADERS,
+                headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id},
             )
         return await _collect(request, handle, body, first, deltas, response_id, chat)
 
@@ -295,7 +297,8 @@ def create_app(
                 "model": body.model,
                 "choices": [choice],
                 "usage": _usage(handle),
-            }
+            },
+            headers={ENGINE_HEADER: last.engine_id},
         )
 
     return app
