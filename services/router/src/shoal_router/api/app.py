@@ -228,7 +228,7 @@ def create_app(
                 "choices": [choice],
             }
             if first_chunk and body.return_token_ids:
-                payload["prompt_token_ids"] = handle._add.prompt_token_ids
+                payload["prompt_token_ids"] = handle.prompt_token_ids
             if body.include_usage:
                 payload["usage"] = None
             return _sse(payload)

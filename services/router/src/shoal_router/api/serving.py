@@ -133,6 +133,10 @@ class GenerationHandle:
         self.finish_reason: str | None = None
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._add.prompt_token_ids
+
+    @property
     def output_tokens(self) -> int:
         return self.collector.delivered
 
