@@ -91,34 +91,23 @@ class EngineService:
 
     def _add(self, add: AddRequest) -> None:
         if self._draining:
-            self._emit(
-                add.reply_to,
-                RequestPiece(
-                    add.request_id,
-                    0,
-                    finish_reason=FinishReason.ERROR,
-                    error=PieceError(
-                        "engine_draining", f"engine {self._engine_id} is draining", retryable=True
-                    ),
-                ),
+            self._refuse(
+                add, PieceError("engine_draining", f"engine {self._engine_id} is draining", retryable=True)
             )
             return
         if add.request_id in self._running:
-            self._emit(
-                add.reply_to,
-                RequestPiece(
-                    add.request_id,
-                    0,
-                    finish_reason=FinishReason.ERROR,
-                    error=PieceError("duplicate_request", f"request {add.request_id} already runs here"),
-                ),
-            )
+            self._refuse(add, PieceError("duplicate_request", f"request {add.request_id} already runs here"))
             return
         running = _Running(add)
         self._running[add.request_id] = running
         self._idle.clear()
         running.task = asyncio.create_task(self._run(running), name=f"request-{add.request_id}")
         running.task.add_done_callback(functools.partial(self._done, running))
+
+    def _refuse(self, add: AddRequest, error: PieceError) -> None:
+        """End a request that was never started with ``error``."""
+        piece = RequestPiece(add.request_id, 0, finish_reason=FinishReason.ERROR, error=error)
+        self._emit(add.reply_to, piece)
 
     def abort(self, request_id: str, reason: str) -> bool:
         running = self._running.get(request_id)
