@@ -14,11 +14,12 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from _pytest.reports import TestReport
 
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos.records import Keys
@@ -30,6 +31,33 @@ from tests.integration.support import (
     TINY,
     RunningFleet,
 )
+
+# Log folders of the running fleets: a failed test's report carries their service lines, so a
+# failure on a machine where the logs are gone afterwards can still be read.
+_LOG_DIRS: list[Path] = []
+
+
+def _service_lines(log: Path, keep: int = 40) -> str:
+    lines = [
+        line
+        for line in log.read_text(errors="replace").splitlines()
+        # Shoal's own lines and problems; vLLM's "(Process pid=N)" lines only when they are errors.
+        if (" shoal" in line or "WARNING" in line or "ERROR" in line or "Traceback" in line)
+        and (not line.startswith("(") or "ERROR" in line)
+    ]
+    return "\n".join(lines[-keep:])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, TestReport, TestReport]:
+    report: TestReport = yield
+    if report.failed and item.get_closest_marker("integration") is not None:
+        for folder in _LOG_DIRS:
+            for log in sorted(folder.glob("*.log")):
+                report.sections.append((f"{folder.parent.name}/{log.name}", _service_lines(log)))
+    return report
 
 
 def _config(name: str, model_dir: str, served: str, run_dir: Path, engines: int, offset: int) -> FleetConfig:
@@ -70,6 +98,7 @@ def _fleets(
         for fleet in fleets.values():
             fleet.start()
         for name, fleet in fleets.items():
+            _LOG_DIRS.append(fleet.log_dir)
             fleet.wait_ready(timeout_s=600)
             cfg = configs[name]
             running[name] = RunningFleet(fleet, cfg, redis.Redis.from_url(cfg.redis_url), Keys(cfg.cluster))

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import RunningFleet, dispatched, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -28,6 +28,36 @@ def _kill_engine(pid: int) -> None:
 def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
     engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=5).json()["engines"]
     return engines.get(engine_id)
+
+
+def test_engine_frozen_past_its_ttl_comes_back_into_dispatch(tiny_fleet: RunningFleet) -> None:
+    """A live engine whose heartbeat lapsed (its process was starved) leaves dispatch, registers
+    again by itself once it runs, and the router takes it back and serves from it."""
+    engine_id = tiny_fleet.cfg.engine_id(0)
+    record = tiny_fleet.engine_record(engine_id)
+    assert record is not None
+    os.kill(record.pid, signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: _router_state(tiny_fleet, engine_id) is None,
+            tiny_fleet.cfg.heartbeat_ttl_s + 5.0,
+            f"the router to drop the frozen {engine_id}",
+        )
+    finally:
+        os.kill(record.pid, signal.SIGCONT)
+    wait_until(
+        lambda: _router_state(tiny_fleet, engine_id) == "ACTIVE", 10.0, f"the router to take {engine_id} back"
+    )
+    # Ties between idle engines break at random: 16 requests all missing it is a 1 in 65,536 chance.
+    before = dispatched(tiny_fleet).get(engine_id, 0.0)
+    for _ in range(16):
+        reply = httpx.post(
+            tiny_fleet.base_url + "/v1/completions",
+            json={"model": tiny_fleet.model, "prompt": [1, 2, 3], "max_tokens": 2},
+            timeout=30,
+        )
+        assert reply.status_code == 200, reply.text
+    assert dispatched(tiny_fleet).get(engine_id, 0.0) > before
 
 
 async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: RunningFleet) -> None:

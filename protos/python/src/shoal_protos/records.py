@@ -16,6 +16,9 @@ from __future__ import annotations
 import enum
 
 import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 KEY_VERSION = "v1"
 
@@ -81,3 +84,17 @@ class Keys:
 json_encoder = msgspec.json.Encoder()
 engine_record_decoder = msgspec.json.Decoder(EngineRecord)
 load_report_decoder = msgspec.json.Decoder(LoadReport)
+
+
+def state_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A Redis client for fleet state, for loops that write or read it every few tens of ms.
+
+    Every call fails after ``timeout_s`` and is not retried: the loop's next tick is the retry,
+    and a call stuck in backoff would hold a heartbeat back past its TTL.
+    """
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )

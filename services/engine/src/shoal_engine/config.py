@@ -23,6 +23,10 @@ class EngineConfig(BaseModel):
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis holding the fleet state."""
 
+    redis_timeout_s: float = Field(default=1.0, gt=0.0)
+    """Deadline of each Redis call: a call that hangs fails and the next heartbeat retries,
+    rather than stopping the heartbeats."""
+
     host: str = "127.0.0.1"
     """Address the ZeroMQ and HTTP sockets bind, and that routers are told to use."""
 

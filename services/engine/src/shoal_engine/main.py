@@ -32,7 +32,7 @@ from shoal_engine.metrics import EngineMetrics
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
 from shoal_protos.messages import PROTOCOL_VERSION
-from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport
+from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
 
 logger = logging.getLogger("shoal.engine")
 
@@ -156,7 +156,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             step_time_ms=load.step_time_ms,
         )
 
-    redis_client = aioredis.Redis.from_url(config.redis_url)
+    redis_client = state_client(config.redis_url, config.redis_timeout_s)
     record = EngineRecord(
         engine_id=config.engine_id,
         model=config.served_model_name,

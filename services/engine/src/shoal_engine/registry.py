@@ -7,6 +7,9 @@ One task on the event loop writes, every ``load_report_interval_s``, in one pipe
 
 If the process dies, both keys expire within the TTL and routers stop dispatching to it. A Redis
 outage does not stop serving: the failed write is counted and logged, and the next tick retries.
+Nothing ends the loop but ``unregister``: an unexpected error is logged with its traceback and the
+next tick tries again, and a tick that comes late (the event loop was blocked) is logged with the
+delay, since a late heartbeat is what makes routers drop a live engine.
 """
 
 from __future__ import annotations
@@ -62,10 +65,15 @@ class EngineRegistration:
         engine_id = self._record.engine_id
         load_key, engine_key = self._keys.load(engine_id), self._keys.engine(engine_id)
         failing = False
+        loop = asyncio.get_running_loop()
+        due = loop.time()
         while True:
+            late_s = loop.time() - due
+            if late_s > self._ttl_ms / 2000:
+                logger.warning("heartbeat %.1f s late: the event loop was blocked", late_s)
             self._seq += 1
-            report = self._make_report(self._seq)
             try:
+                report = self._make_report(self._seq)
                 async with self._client.pipeline(transaction=False) as pipe:
                     pipe.set(load_key, json_encoder.encode(report), px=self._ttl_ms)
                     pipe.pexpire(engine_key, self._ttl_ms)
@@ -82,6 +90,10 @@ class EngineRegistration:
                 if not failing:
                     logger.warning("cannot write load report to Redis: %s", exc)
                 failing = True
+            except Exception:
+                self._metrics.load_report_errors.inc()
+                logger.exception("load report failed; retrying")
+            due = loop.time() + self._interval_s
             await asyncio.sleep(self._interval_s)
 
     async def unregister(self) -> None:

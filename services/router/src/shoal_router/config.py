@@ -21,6 +21,9 @@ class RouterConfig(BaseModel):
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis holding the fleet state."""
 
+    redis_timeout_s: float = Field(default=1.0, gt=0.0)
+    """Deadline of each Redis call: a poll that hangs fails and the next poll retries."""
+
     tokenizer_address: str = "127.0.0.1:50051"
     """host:port of the gRPC tokenizer service."""
 

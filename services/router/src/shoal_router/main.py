@@ -14,13 +14,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 import uvicorn
 import uvloop
 import zmq.asyncio
 from fastapi import FastAPI
 
-from shoal_protos.records import Keys
+from shoal_protos.records import Keys, state_client
 from shoal_router.api.app import create_app
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
@@ -71,7 +70,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     engines = EngineClient(
         ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm, on_link=link_changed
     )
-    redis_client = aioredis.Redis.from_url(config.redis_url)
+    redis_client = state_client(config.redis_url, config.redis_timeout_s)
 
     def engine_lost(engine_id: str, reason: str) -> None:
         failed = engines.engine_lost(engine_id, reason)

@@ -58,6 +58,7 @@ class EngineClient:
         self._ctx = ctx
         self._on_link = on_link
         self._monitors: dict[str, asyncio.Task[None]] = {}
+        self._links_made = 0
         # PUSH sockets are plain (not asyncio) sockets of the same context: a NOBLOCK send
         # either queues at once or raises zmq.Again; it never awaits.
         self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(ctx.underlying)
@@ -80,7 +81,9 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         # Watch the TCP link: a local engine that dies drops it at once, long before its
         # Redis heartbeat expires.
-        monitor_address = f"inproc://engine-monitor-{id(self)}-{engine_id}"
+        # A fresh inproc name per link: a closed socket's monitor may still hold the last one.
+        self._links_made += 1
+        monitor_address = f"inproc://engine-monitor-{id(self)}-{self._links_made}"
         sock.monitor(monitor_address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         monitor = self._ctx.socket(zmq.PAIR)
         monitor.connect(monitor_address)

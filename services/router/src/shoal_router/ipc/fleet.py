@@ -122,5 +122,8 @@ class FleetView:
                 if self.redis_ok or self.polls == 0:
                     logger.warning("cannot read fleet state from Redis: %s", exc)
                 self.redis_ok = False
+            except Exception:
+                # A bug in a callback must not freeze the router's view of the fleet for good.
+                logger.exception("fleet poll failed; retrying")
             self.polls += 1
             await asyncio.sleep(interval_s)
