@@ -75,7 +75,9 @@ protos: ## Regenerate the gRPC stubs from protos/*.proto
 
 .PHONY: protos-check
 protos-check: protos ## Fail when the checked-in stubs differ from protos/*.proto
-	git diff --exit-code -- protos/python/src
+	@changed="$$(git status --porcelain -- 'protos/python/src/shoal_protos/*_pb2*')"; \
+	if [ -n "$$changed" ]; then echo "generated stubs are out of date or not committed:"; \
+	echo "$$changed"; exit 1; fi
 
 .PHONY: lint
 lint: setup ## ruff lint and format check, stubs up to date
