@@ -1,0 +1,117 @@
+"""KV-transfer wire contracts: the engine service <-> its KV agent, and agent <-> agent.
+
+Every engine's vLLM worker runs a KV agent (``shoal_engine.kv.agent``) with two ZeroMQ sockets:
+
+* a control socket (REP) for its own engine service: send a request's blocks to another
+  engine, free a staging area, read blocks back (tests compare them byte for byte);
+* a data socket (ROUTER) where other agents push staged blocks: one ``StageHeader`` frame, then
+  one frame holding the chunk's bytes (all layers, the chunk's blocks, in the layout the
+  header names), answered by one ``StageAck``.
+
+msgspec only, never pickle. Every message is a tagged struct, so one decoder reads the union.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Tagged(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    pass
+
+
+# ---- engine service -> its agent (control socket) --------------------------------------
+
+
+class SendBlocks(_Tagged):
+    """Send full blocks ``[first_block, ...)`` of a request to ``target`` (an agent's data
+    address), at most up to the blocks full when the call runs, into staging area
+    ``migration_id``. Only full blocks go: they never change again."""
+
+    request_id: str
+    migration_id: str
+    target: str
+    first_block: int
+    max_blocks: int = 1 << 30
+
+
+class FreeStaging(_Tagged):
+    migration_id: str
+
+
+class ReadBlocks(_Tagged):
+    """Return the bytes of a request's blocks (all layers), for checks and tests."""
+
+    request_id: str
+    first_block: int
+    num_blocks: int
+
+
+class ReadStaged(_Tagged):
+    migration_id: str
+
+
+class AgentStatus(_Tagged):
+    pass
+
+
+AgentCommand = SendBlocks | FreeStaging | ReadBlocks | ReadStaged | AgentStatus
+
+
+class SentBlocks(_Tagged):
+    """Reply to ``SendBlocks``: the request's next unsent block and what went over."""
+
+    next_block: int
+    blocks: int
+    bytes: int
+    seconds: float
+    # Tokens whose KV the request had when the call ran (full blocks cover the first
+    # ``full_blocks * block_size`` of them).
+    tokens_written: int
+
+
+class BlockBytes(_Tagged):
+    """Reply to ``ReadBlocks`` / ``ReadStaged``: blocks in order, all layers of block 0 first."""
+
+    first_block: int
+    num_blocks: int
+    data: bytes
+
+
+class Status(_Tagged):
+    block_size: int
+    num_layers: int
+    bytes_per_block: int
+    staging_areas: dict[str, int]
+    staged_bytes: int
+    tracked_requests: int
+
+
+class AgentError(_Tagged):
+    message: str
+
+
+AgentReply = SentBlocks | BlockBytes | Status | AgentError | None
+
+
+# ---- agent -> agent (data socket) --------------------------------------------------------
+
+
+class StageHeader(_Tagged):
+    migration_id: str
+    first_block: int
+    num_blocks: int
+    bytes_per_block: int
+
+
+class StageAck(_Tagged):
+    migration_id: str
+    staged_blocks: int
+    error: str = ""
+
+
+agent_command_decoder = msgspec.msgpack.Decoder(AgentCommand)
+agent_reply_decoder = msgspec.msgpack.Decoder(AgentReply)
+stage_header_decoder = msgspec.msgpack.Decoder(StageHeader)
+stage_ack_decoder = msgspec.msgpack.Decoder(StageAck)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,312 @@
+"""The KV agent: lives in vLLM's worker process, next to the KV cache, on two threads of its own.
+
+The connector (``shoal_engine.kv.connector``) hands it the KV tensors once and, every engine
+step, the block tables of the requests the scheduler ran; the agent keeps, per request, its
+block ids and how many tokens of KV have been written. Two threads serve the rest:
+
+* **control** (ZeroMQ REP, for the engine service on the same machine): ``SendBlocks`` copies a
+  request's full blocks into a reused buffer and pushes them to another engine's agent through
+  the transport; ``FreeStaging``, ``ReadBlocks``, ``ReadStaged``, ``AgentStatus``.
+* **data** (ZeroMQ ROUTER, for other agents): receives staged chunks into staging areas, keyed
+  by migration id, until the request arrives and ``inject`` copies them into the blocks vLLM
+  gave it. A staging area nobody claims is freed after ``staging_ttl_s``.
+
+Full blocks never change once written, so they are read while the model keeps decoding; the
+engine step only ever writes a request's last, partial block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import zmq
+
+from shoal_engine.kv.transport import KvTransport, make_transport
+from shoal_protos import kv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Table:
+    block_ids: list[int] = field(default_factory=list)
+    tokens_written: int = 0
+
+
+@dataclass(slots=True)
+class _Staged:
+    created: float
+    # first block index -> (number of blocks, uint8 tensor [layers, blocks, bytes_per_layer_block])
+    chunks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TableUpdate:
+    request_id: str
+    block_ids: list[int]
+    # True: ``block_ids`` is the whole table (new or resumed request); False: appended blocks.
+    replace: bool
+    tokens_after_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    request_id: str
+    migration_id: str
+    first_block: int
+    # The request's block ids for blocks first_block, first_block + 1, ...
+    block_ids: list[int]
+
+
+class KvAgent:
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_size: int,
+        control_address: str,
+        data_address: str,
+        transport: str = "tcp",
+        chunk_bytes: int = 8 << 20,
+        staging_ttl_s: float = 60.0,
+    ) -> None:
+        self.block_size = block_size
+        self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
+        shapes = {tuple(t.shape) for t in self._layers}
+        if len(shapes) != 1:
+            raise ValueError(f"KV layers differ in shape ({shapes}); migration needs one layout")
+        self.num_layers = len(self._layers)
+        self.bytes_per_layer_block = self._layers[0].shape[1]
+        self.bytes_per_block = self.num_layers * self.bytes_per_layer_block
+        self._chunk_blocks = max(1, chunk_bytes // self.bytes_per_block)
+        self._staging_ttl_s = staging_ttl_s
+        self._lock = threading.Lock()
+        self._tables: dict[str, _Table] = {}
+        self._staging: dict[str, _Staged] = {}
+        self._load_errors: set[int] = set()
+        self._ctx = zmq.Context(io_threads=1)
+        self._transport: KvTransport = make_transport(transport, self._ctx, self._chunk_blocks * self.bytes_per_block)
+        self._stop = threading.Event()
+        self._control = self._ctx.socket(zmq.REP)
+        self._control.bind(control_address)
+        self._data = self._ctx.socket(zmq.ROUTER)
+        self._data.bind(data_address)
+        self._threads = [
+            threading.Thread(target=self._serve_control, name="shoal-kv-control", daemon=True),
+            threading.Thread(target=self._serve_data, name="shoal-kv-data", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        logger.info(
+            "KV agent: %d layers, %d bytes per block, control %s, data %s, transport %s",
+            self.num_layers,
+            self.bytes_per_block,
+            control_address,
+            data_address,
+            transport,
+        )
+
+    # ---- called by the connector on the worker's main thread ------------------------------
+
+    def update_tables(self, updates: list[TableUpdate], finished: list[str]) -> None:
+        with self._lock:
+            for update in updates:
+                table = self._tables.get(update.request_id)
+                if table is None or update.replace:
+                    table = self._tables[update.request_id] = _Table(list(update.block_ids))
+                else:
+                    table.block_ids.extend(update.block_ids)
+            for request_id in finished:
+                self._tables.pop(request_id, None)
+
+    def step_done(self, updates: list[TableUpdate]) -> None:
+        """The forward pass wrote the KV of the tokens each update scheduled."""
+        with self._lock:
+            for update in updates:
+                table = self._tables.get(update.request_id)
+                if table is not None:
+                    table.tokens_written = max(table.tokens_written, update.tokens_after_step)
+
+    def inject(self, load: Load) -> int:
+        """Copy staged blocks of ``load.migration_id`` into the request's blocks; returns the
+        number of blocks loaded. Blocks with no staged data are reported as load errors."""
+        with self._lock:
+            staged = self._staging.pop(load.migration_id, None)
+        wanted = range(load.first_block, load.first_block + len(load.block_ids))
+        done: set[int] = set()
+        if staged is not None:
+            for first, (count, data) in sorted(staged.chunks.items()):
+                picks = [b for b in range(first, first + count) if b in wanted and b not in done]
+                if not picks:
+                    continue
+                src = torch.tensor([b - first for b in picks], dtype=torch.long)
+                dst = torch.tensor([load.block_ids[b - load.first_block] for b in picks], dtype=torch.long)
+                for layer, tensor in enumerate(self._layers):
+                    tensor.index_copy_(0, dst, data[layer].index_select(0, src))
+                done.update(picks)
+        missing = [load.block_ids[b - load.first_block] for b in wanted if b not in done]
+        if missing:
+            logger.warning(
+                "migration %s: %d of %d blocks were not staged; vLLM recomputes them",
+                load.migration_id,
+                len(missing),
+                len(wanted),
+            )
+            with self._lock:
+                self._load_errors.update(missing)
+        return len(done)
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=2)
+        self._transport.close()
+        self._ctx.destroy(linger=0)
+
+    # ---- control thread ---------------------------------------------------------------------
+
+    def _serve_control(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._control, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            raw = self._control.recv()
+            try:
+                reply = self._handle(kv.agent_command_decoder.decode(raw))
+            except msgspec.DecodeError as exc:
+                reply = kv.AgentError(message=f"undecodable command: {exc}")
+            except Exception as exc:  # the agent must outlive any one bad command
+                logger.exception("KV agent command failed")
+                reply = kv.AgentError(message=f"{type(exc).__name__}: {exc}")
+            self._control.send(kv.encoder.encode(reply))
+        self._control.close(linger=0)
+
+    def _handle(self, command: kv.AgentCommand) -> kv.AgentReply:
+        if isinstance(command, kv.SendBlocks):
+            return self._send_blocks(command)
+        if isinstance(command, kv.FreeStaging):
+            with self._lock:
+                self._staging.pop(command.migration_id, None)
+            return None
+        if isinstance(command, kv.ReadBlocks):
+            with self._lock:
+                table = self._tables.get(command.request_id)
+                ids = list(table.block_ids[command.first_block : command.first_block + command.num_blocks]) if table else []
+            if len(ids) < command.num_blocks:
+                return kv.AgentError(message=f"request {command.request_id} has no blocks there")
+            data = torch.stack([t.index_select(0, torch.tensor(ids)) for t in self._layers]).permute(1, 0, 2)
+            return kv.BlockBytes(first_block=command.first_block, num_blocks=len(ids), data=data.contiguous().numpy().tobytes())
+        if isinstance(command, kv.ReadStaged):
+            with self._lock:
+                staged = self._staging.get(command.migration_id)
+                chunks = sorted(staged.chunks.items()) if staged else []
+            if not chunks:
+                return kv.AgentError(message=f"nothing staged for {command.migration_id}")
+            first = chunks[0][0]
+            data = torch.cat([c.permute(1, 0, 2) for _, (_, c) in chunks])
+            return kv.BlockBytes(first_block=first, num_blocks=data.shape[0], data=data.contiguous().numpy().tobytes())
+        self._expire_staging()
+        with self._lock:
+            return kv.Status(
+                block_size=self.block_size,
+                num_layers=self.num_layers,
+                bytes_per_block=self.bytes_per_block,
+                staging_areas={m: len(s.chunks) for m, s in self._staging.items()},
+                staged_bytes=sum(s.nbytes for s in self._staging.values()),
+                tracked_requests=len(self._tables),
+            )
+
+    def _send_blocks(self, command: kv.SendBlocks) -> kv.AgentReply:
+        started = time.perf_counter()
+        with self._lock:
+            table = self._tables.get(command.request_id)
+            if table is None:
+                return kv.AgentError(message=f"request {command.request_id} is not running here")
+            written = table.tokens_written
+            full = min(written // self.block_size, len(table.block_ids))
+            last = min(full, command.first_block + command.max_blocks)
+            ids = table.block_ids[command.first_block : last]
+        if not ids:
+            return kv.SentBlocks(next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written)
+        sent = self._transport.send(
+            command.target, command.migration_id, command.first_block, ids, self._layers, self.bytes_per_layer_block
+        )
+        return kv.SentBlocks(
+            next_block=command.first_block + len(ids),
+            blocks=len(ids),
+            bytes=sent,
+            seconds=time.perf_counter() - started,
+            tokens_written=written,
+        )
+
+    # ---- data thread ------------------------------------------------------------------------
+
+    def _serve_data(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._data, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                self._expire_staging()
+                continue
+            frames = self._data.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            ack = self._stage(frames[1:])
+            self._data.send_multipart([identity, kv.encoder.encode(ack)])
+        self._data.close(linger=0)
+
+    def _stage(self, frames: list[zmq.Frame]) -> kv.StageAck:
+        if len(frames) != 2:
+            return kv.StageAck(migration_id="", staged_blocks=0, error="expected a header and one data frame")
+        try:
+            header = kv.stage_header_decoder.decode(frames[0].bytes)
+        except msgspec.DecodeError as exc:
+            return kv.StageAck(migration_id="", staged_blocks=0, error=f"undecodable header: {exc}")
+        expected = header.num_blocks * self.bytes_per_block
+        if header.bytes_per_block != self.bytes_per_block or len(frames[1].buffer) != expected:
+            return kv.StageAck(
+                migration_id=header.migration_id,
+                staged_blocks=0,
+                error=f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here",
+            )
+        # The frame's own buffer becomes the staged tensor: no copy on receipt.
+        data = torch.frombuffer(frames[1].buffer, dtype=torch.uint8).view(
+            self.num_layers, header.num_blocks, self.bytes_per_layer_block
+        )
+        with self._lock:
+            staged = self._staging.setdefault(header.migration_id, _Staged(time.monotonic()))
+            staged.chunks[header.first_block] = (header.num_blocks, data)
+            staged.nbytes += expected
+            count = sum(n for n, _ in staged.chunks.values())
+        return kv.StageAck(migration_id=header.migration_id, staged_blocks=count)
+
+    def _expire_staging(self) -> None:
+        cutoff = time.monotonic() - self._staging_ttl_s
+        with self._lock:
+            stale = [m for m, s in self._staging.items() if s.created < cutoff]
+            for migration_id in stale:
+                del self._staging[migration_id]
+        for migration_id in stale:
+            logger.warning("freed staging of migration %s: its request never arrived", migration_id)
+
+
+def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """View one layer's KV cache as ``[num_blocks, bytes per block]`` uint8."""
+    dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
+    if not dims:
+        raise ValueError(f"layer {name}: no dimension of size {num_blocks} (the block count) in {tuple(tensor.shape)}")
+    moved = tensor.movedim(dims[0], 0)
+    if not moved.is_contiguous():
+        raise ValueError(f"layer {name}: blocks are not contiguous in layout {tuple(tensor.shape)}")
+    return moved.view(torch.uint8).reshape(num_blocks, -1)

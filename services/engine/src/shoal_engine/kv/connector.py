@@ -1,0 +1,180 @@
+"""``ShoalConnector``: Shoal's vLLM KV connector, loaded with ``kv_connector_module_path``.
+
+vLLM builds it twice: in the scheduler (engine-core process) and in the worker (next to the KV
+cache). Only public ``KVConnectorBase_V1`` hooks are used.
+
+Scheduler side, every step (``build_connector_meta``):
+  * the block tables of the requests it scheduled (whole table for new or resumed requests,
+    appended blocks otherwise) and how many tokens of KV each will have after the step, keyed by
+    Shoal's request id (passed in ``kv_transfer_params["shoal"]["id"]``);
+  * loads: a request arriving by migration carries ``{"load": {"migration": M, "tokens": T}}``;
+    ``get_num_new_matched_tokens`` claims its first ``T`` tokens (whole blocks, never the last
+    token, less what the local prefix cache already has), and once vLLM has allocated the
+    blocks the metadata tells the worker which staged blocks go where.
+
+Worker side: ``start_load_kv`` hands table updates to the KV agent and injects the step's loads
+before the forward pass (synchronously: the staged bytes are already in this process);
+``wait_for_save`` tells the agent which tokens' KV the forward pass wrote. Blocks that could not
+be loaded are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+PARAMS_KEY = "shoal"
+
+
+@dataclass
+class ShoalConnectorMetadata(KVConnectorMetadata):
+    updates: list[TableUpdate] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _PendingLoad:
+    migration_id: str
+    first_block: int
+    last_block: int
+
+
+class ShoalConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._num_blocks = kv_cache_config.num_blocks
+        self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config)
+        # Scheduler side: vLLM's request id -> Shoal's; loads waiting for their blocks.
+        self._ids: dict[str, str] = {}
+        self._loads: dict[str, _PendingLoad] = {}
+        # Worker side.
+        self._agent: KvAgent | None = None
+
+    # ---- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+        if "id" in params:
+            self._ids[request.request_id] = str(params["id"])
+        load = params.get("load")
+        if not load:
+            return 0, False
+        block = self._block_size
+        # Whole blocks only, and never the last token: vLLM must compute at least one.
+        tokens = min(int(load["tokens"]), (request.num_tokens - 1) // block * block)
+        if tokens <= num_computed_tokens:
+            return 0, False
+        return tokens - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        load = (request.kv_transfer_params or {})[PARAMS_KEY]["load"]
+        end = request.num_computed_tokens + num_external_tokens
+        self._loads[request.request_id] = _PendingLoad(
+            str(load["migration"]), request.num_computed_tokens // self._block_size, end // self._block_size
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = ShoalConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            shoal_id = self._ids.get(new.req_id)
+            if shoal_id is None:
+                continue
+            block_ids = list(new.block_ids[0])
+            meta.updates.append(
+                TableUpdate(shoal_id, block_ids, True, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            )
+            pending = self._loads.pop(new.req_id, None)
+            if pending is not None:
+                meta.loads.append(
+                    Load(shoal_id, pending.migration_id, pending.first_block, block_ids[pending.first_block : pending.last_block])
+                )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            shoal_id = self._ids.get(req_id)
+            if shoal_id is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            meta.updates.append(
+                TableUpdate(
+                    shoal_id,
+                    list(new_blocks[0]) if new_blocks else [],
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
+                )
+            )
+        for req_id in scheduler_output.finished_req_ids:
+            shoal_id = self._ids.pop(req_id, None)
+            self._loads.pop(req_id, None)
+            if shoal_id is not None:
+                meta.finished.append(shoal_id)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # The blocks are freed at once: a migrating request's blocks were copied while it ran.
+        return False, None
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._agent = KvAgent(
+            kv_caches,
+            self._num_blocks,
+            self._block_size,
+            control_address=str(self._extra["control_address"]),
+            data_address=str(self._extra["data_address"]),
+            transport=str(self._extra.get("transport", "tcp")),
+            chunk_bytes=int(self._extra.get("chunk_bytes", 8 << 20)),
+            staging_ttl_s=float(self._extra.get("staging_ttl_s", 60.0)),
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._agent is None or not isinstance(meta, ShoalConnectorMetadata):
+            return
+        self._agent.update_tables(meta.updates, meta.finished)
+        for load in meta.loads:
+            self._agent.inject(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._agent is not None and isinstance(meta, ShoalConnectorMetadata):
+            self._agent.step_done(meta.updates)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._agent.take_load_errors() if self._agent is not None else set()
+
+    def shutdown(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
