@@ -62,7 +62,11 @@ class FakeBackend:
         await asyncio.wait_for(asyncio.gather(*(self._started(rid).wait() for rid in request_ids)), WAIT_S)
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        kv_params: dict[str, object] | None = None,
     ) -> AsyncIterator[BackendOutput]:
         self.generate_calls.append((request_id, prompt_token_ids, sampling))
         queue = self._queue(request_id)

@@ -24,15 +24,28 @@ class _Tagged(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
 
 
 class SendBlocks(_Tagged):
-    """Send full blocks ``[first_block, ...)`` of a request to ``target`` (an agent's data
-    address), at most up to the blocks full when the call runs, into staging area
-    ``migration_id``. Only full blocks go: they never change again."""
+    """Send blocks ``[first_block, ...)`` of a request to ``target`` (an agent's data address)
+    into staging area ``migration_id``: the blocks full when the call runs (they never change
+    again, so they go while the request decodes), and with ``partial`` its last, partly
+    filled block too (only once the request is stopped and held)."""
 
     request_id: str
     migration_id: str
     target: str
     first_block: int
     max_blocks: int = 1 << 30
+    partial: bool = False
+
+
+class Hold(_Tagged):
+    """Keep a request's blocks when it stops, until ``Release`` (or ``hold_s`` passes)."""
+
+    request_id: str
+    hold_s: float = 30.0
+
+
+class Release(_Tagged):
+    request_id: str
 
 
 class FreeStaging(_Tagged):
@@ -55,7 +68,7 @@ class AgentStatus(_Tagged):
     pass
 
 
-AgentCommand = SendBlocks | FreeStaging | ReadBlocks | ReadStaged | AgentStatus
+AgentCommand = SendBlocks | Hold | Release | FreeStaging | ReadBlocks | ReadStaged | AgentStatus
 
 
 class SentBlocks(_Tagged):
@@ -65,8 +78,8 @@ class SentBlocks(_Tagged):
     blocks: int
     bytes: int
     seconds: float
-    # Tokens whose KV the request had when the call ran (full blocks cover the first
-    # ``full_blocks * block_size`` of them).
+    # Tokens whose KV the request had when the call ran; the blocks sent so far cover
+    # ``min(next_block * block_size, tokens_written)`` of them.
     tokens_written: int
 
 

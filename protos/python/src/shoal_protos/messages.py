@@ -64,6 +64,12 @@ class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     reply_to: str
+    # A request resumed elsewhere (migration, or a retry after its engine died): the output
+    # tokens it already has. The engine continues after them: its pieces start at index
+    # len(output_token_ids), ``max_tokens`` counts them, usage counts only the prompt as prompt.
+    output_token_ids: list[int] = []
+    # Ownership generation: grows by one each time the request moves; pieces carry it.
+    generation: int = 0
 
 
 class AbortRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -95,6 +101,10 @@ class RequestPiece(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     error: PieceError | None = None
+    # The ownership generation the piece was produced under. A piece with a higher generation
+    # than the router has seen moves the request to ``owner`` (or to the sending engine).
+    generation: int = 0
+    owner: str = ""
 
 
 class OutputBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

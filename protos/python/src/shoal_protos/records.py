@@ -6,6 +6,10 @@ records, can share one Redis. Records are JSON so ``redis-cli get`` shows them a
     shoal:v1:<cluster>:engines            SET of engine ids (an index; entries may be stale)
     shoal:v1:<cluster>:engine:<id>        EngineRecord, expires unless the engine heartbeats
     shoal:v1:<cluster>:load:<id>          LoadReport, rewritten at least every 100 ms
+    shoal:v1:<cluster>:owner:<request>    OwnerRecord: the engine serving a request and its
+                                          fencing generation (moves only forward)
+    shoal:v1:<cluster>:migration:<id>     MigrationRecord, kept for a day
+    shoal:v1:<cluster>:migrations         LIST of recent migration ids, newest first
 
 A stale id in the index is harmless: its ``engine:`` key has expired, so readers skip it and
 remove it from the index.
@@ -46,6 +50,8 @@ class EngineRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     hostname: str = ""
     protocol_version: int
     started_at: float
+    # gRPC EngineControl (migrations, drain); empty when migration is off.
+    control_address: str = ""
 
 
 class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -60,6 +66,36 @@ class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):
     kv_blocks_free: int = 0
     # Mean engine step time over the last report period, in milliseconds.
     step_time_ms: float = 0.0
+
+
+class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    request_id: str
+    engine_id: str
+    generation: int
+    router: str = ""
+
+
+class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    migration_id: str
+    request_id: str
+    source: str
+    target: str
+    reason: str
+    # MIGRATED, REFUSED, FAILED or GONE.
+    outcome: str
+    detail: str = ""
+    stages: int = 0
+    bytes: int = 0
+    blocks: int = 0
+    kv_tokens: int = 0
+    total_tokens: int = 0
+    downtime_ms: float = 0.0
+    duration_ms: float = 0.0
+    # Wall clock when the source stopped the request; the target adds the gap its client saw
+    # (its first token there minus the last one here) as ``stall_ms`` when it has one.
+    stopped_at: float = 0.0
+    stall_ms: float | None = None
+    finished_at: float = 0.0
 
 
 class Keys:
@@ -80,10 +116,22 @@ class Keys:
     def load(self, engine_id: str) -> str:
         return f"{self.prefix}load:{engine_id}"
 
+    def owner(self, request_id: str) -> str:
+        return f"{self.prefix}owner:{request_id}"
+
+    def migration(self, migration_id: str) -> str:
+        return f"{self.prefix}migration:{migration_id}"
+
+    @property
+    def migrations(self) -> str:
+        return self.prefix + "migrations"
+
 
 json_encoder = msgspec.json.Encoder()
 engine_record_decoder = msgspec.json.Decoder(EngineRecord)
 load_report_decoder = msgspec.json.Decoder(LoadReport)
+owner_record_decoder = msgspec.json.Decoder(OwnerRecord)
+migration_record_decoder = msgspec.json.Decoder(MigrationRecord)
 
 
 def state_client(url: str, timeout_s: float) -> aioredis.Redis:

@@ -52,9 +52,14 @@ class EngineBackend(Protocol):
         ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        kv_params: dict[str, object] | None = None,
     ) -> AsyncIterator[BackendOutput]:
-        """Stream a request's output. Cancelling the iteration aborts the request."""
+        """Stream a request's output. Cancelling the iteration aborts the request.
+        ``kv_params`` are for the KV connector (a migrated request's staged KV)."""
         ...
 
     def load(self) -> BackendLoad:

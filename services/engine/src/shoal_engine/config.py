@@ -66,3 +66,42 @@ class EngineConfig(BaseModel):
 
     output_hwm: int = Field(default=10_000, ge=1)
     """ZeroMQ high-water mark of each output socket (batches queued per router)."""
+
+    migration: bool = False
+    """Load Shoal's KV connector so running requests can move to other engines with their KV
+    (needs ``control_port`` and ``kv_port``)."""
+
+    control_port: int = Field(default=5800, ge=1, le=65535)
+    """Port of the gRPC EngineControl service (migrate, drain, list migrations)."""
+
+    kv_port: int = Field(default=5900, ge=1, le=65535)
+    """Port where other engines push KV blocks to this engine's KV agent; the agent's control
+    socket for this engine service takes ``kv_port + 1``."""
+
+    kv_transport: str = Field(default="tcp", pattern=r"^(tcp|gloo|nccl)$")
+    """How KV bytes travel between engines."""
+
+    block_size: int | None = Field(default=None, ge=16)
+    """KV block size in tokens; None keeps vLLM's default. Smaller blocks leave a shorter tail
+    to recompute after a migration (the CPU build needs a multiple of 32)."""
+
+    migration_max_stages: int = Field(default=4, ge=1)
+    """Pre-copy stages at most before the request is stopped for the last one."""
+
+    migration_last_stage_max_blocks: int = Field(default=2, ge=0)
+    """Stop pre-copying once no more than this many new full blocks are left."""
+
+    migration_step_timeout_s: float = Field(default=10.0, gt=0.0)
+    """Deadline of each migration step (prepare, a stage, commit)."""
+
+    @property
+    def kv_data_bind(self) -> str:
+        return f"tcp://{self.host}:{self.kv_port}"
+
+    @property
+    def kv_agent_address(self) -> str:
+        return f"tcp://{self.host}:{self.kv_port + 1}"
+
+    @property
+    def control_address(self) -> str:
+        return f"{self.host}:{self.control_port}"

@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import grpc
 import redis.asyncio as aioredis
 import uvicorn
 import zmq
@@ -29,8 +30,10 @@ from shoal_engine.backend import BackendDeadError, EngineBackend
 from shoal_engine.config import EngineConfig
 from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
 from shoal_engine.metrics import EngineMetrics
+from shoal_engine.migration import EngineControlServicer, MigrationManager
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
+from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.messages import PROTOCOL_VERSION
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
 
@@ -54,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--migration", action="store_true", help="load the KV connector; serve EngineControl")
+    parser.add_argument("--control-port", type=int, default=5800, help="gRPC EngineControl port")
+    parser.add_argument("--kv-port", type=int, default=5900, help="KV agent data port (control: +1)")
+    parser.add_argument("--kv-transport", default="tcp", choices=["tcp", "gloo", "nccl"])
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens")
+    parser.add_argument("--migration-max-stages", type=int, default=4)
+    parser.add_argument("--migration-last-stage-max-blocks", type=int, default=2)
     args = parser.parse_args(argv)
     return EngineConfig(
         model=args.model,
@@ -71,6 +81,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         executor_backend=args.executor_backend,
         heartbeat_ttl_s=args.heartbeat_ttl,
         drain_timeout_s=args.drain_timeout,
+        migration=args.migration,
+        control_port=args.control_port,
+        kv_port=args.kv_port,
+        kv_transport=args.kv_transport,
+        block_size=args.block_size,
+        migration_max_stages=args.migration_max_stages,
+        migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,
     )
 
 
@@ -168,10 +185,27 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         hostname=socket.gethostname(),
         protocol_version=PROTOCOL_VERSION,
         started_at=time.time(),
+        control_address=config.control_address if config.migration else "",
     )
+    keys = Keys(config.cluster)
+    migrations: MigrationManager | None = None
+    control: grpc.aio.Server | None = None
+    if config.migration:
+        migrations = MigrationManager(
+            config,
+            service,
+            lambda: max(info.kv_blocks_total - backend.load().kv_blocks_used, 0),
+            redis_client,
+            keys,
+            metrics,
+        )
+        control = grpc.aio.server()
+        pb_grpc.add_EngineControlServicer_to_server(EngineControlServicer(migrations), control)
+        control.add_insecure_port(config.control_address)
+        await control.start()
     registration = EngineRegistration(
         redis_client,
-        Keys(config.cluster),
+        keys,
         record,
         config.heartbeat_ttl_s,
         config.load_report_interval_s,
@@ -197,10 +231,21 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         await registration.set_state(EngineState.DRAINING)
     except (aioredis.RedisError, OSError) as exc:
         logger.warning("cannot mark DRAINING in Redis: %s", exc)
-    aborted = await service.drain(config.drain_timeout_s if exit_code == 0 else 0.0)
+    drain_s = config.drain_timeout_s if exit_code == 0 else 0.0
+    if migrations is not None and drain_s > 0 and service.num_requests:
+        # Move what runs to other engines first; what cannot move finishes here (or is aborted).
+        started = time.monotonic()
+        moved = await migrations.drain(drain_s)
+        logger.info("drain moved %d requests away (%d could not move)", moved.migrated, moved.failed)
+        drain_s = max(0.0, drain_s - (time.monotonic() - started))
+    aborted = await service.drain(drain_s)
     if aborted:
         logger.warning("aborted %d requests still running at shutdown", aborted)
     await registration.unregister()
+    if control is not None:
+        await control.stop(grace=1.0)
+    if migrations is not None:
+        await migrations.aclose()
     await redis_client.aclose()
     receiver.stop()
     sender.stop()

@@ -44,5 +44,44 @@ class EngineMetrics:
             registry=registry,
         ).labels(**self._labels)
 
+        self.migrations = Counter(
+            "shoal_engine_migrations",
+            "Migrations this engine took part in, by role (source, target), reason and outcome.",
+            [*_LABELS, "role", "reason", "outcome"],
+            registry=registry,
+        )
+        self.migration_bytes = Histogram(
+            "shoal_engine_migration_bytes",
+            "KV bytes a migration sent (source side).",
+            _LABELS,
+            buckets=tuple(float(1 << n) for n in range(16, 34, 2)),
+            registry=registry,
+        ).labels(**self._labels)
+        self.migration_stages = Histogram(
+            "shoal_engine_migration_stages",
+            "Stages of KV copy per migration, the final one included (source side).",
+            _LABELS,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16),
+            registry=registry,
+        ).labels(**self._labels)
+        self.migration_downtime = Histogram(
+            "shoal_engine_migration_downtime_seconds",
+            "From a request's stop on the source to its admission on the target (source side).",
+            _LABELS,
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+            registry=registry,
+        ).labels(**self._labels)
+        self.migration_stall = Histogram(
+            "shoal_engine_migration_stall_seconds",
+            "Gap a migrated request's client saw: first token here minus last token on the source "
+            "(target side).",
+            _LABELS,
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0),
+            registry=registry,
+        ).labels(**self._labels)
+
+    def migrated(self, role: str, reason: str, outcome: str) -> None:
+        self.migrations.labels(**self._labels, role=role, reason=reason, outcome=outcome).inc()
+
     def finished(self, reason: str) -> None:
         self.requests.labels(**self._labels, finish_reason=reason).inc()

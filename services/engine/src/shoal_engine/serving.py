@@ -11,6 +11,12 @@ An ABORT cancels the request's task; cancelling the backend stream aborts the re
 backend. A done-callback on each task sends the final piece when the stream did not (``ABORT``
 on cancellation, ``ERROR`` with a code on a failure) and forgets the request, so this holds even
 for a task cancelled before it ever ran.
+
+Migration (``shoal_engine.migration``) uses three more calls: ``stop_for_migration`` stops a
+request without a final piece and returns its token state; ``start`` runs a request that
+continues after output tokens it already has (on the target, or back here if the target
+failed); ``hand_over`` tells the router the request's new owner and remembers where it went, so
+an ABORT that still arrives here is passed on.
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend
 from shoal_engine.metrics import EngineMetrics
@@ -35,15 +44,35 @@ from shoal_protos.messages import (
 logger = logging.getLogger(__name__)
 
 SendBatch = Callable[[str, OutputBatch], None]
+ForwardAbort = Callable[[str, str, str], None]
+"""(owner engine id, request id, reason): pass an ABORT on to a request's new owner."""
 
 
 @dataclass(slots=True)
 class _Running:
     add: AddRequest
+    kv_params: dict[str, object] | None = None
     task: asyncio.Task[None] | None = None
     abort_reason: str = ""
-    produced: int = 0
+    # Output tokens of this request so far, those it arrived with included.
+    output_ids: list[int] = field(default_factory=list)
     final: RequestPiece | None = None
+    # Set by stop_for_migration: the task ends without a final piece.
+    migrating: bool = False
+    first_output_at: float = 0.0
+
+    @property
+    def produced(self) -> int:
+        return len(self.output_ids) - len(self.add.output_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StoppedRequest:
+    """A request stopped for migration: everything needed to continue it elsewhere."""
+
+    add: AddRequest
+    output_ids: list[int]
+    last_output_at: float
 
 
 @dataclass(slots=True)
@@ -67,6 +96,10 @@ class EngineService:
         self._metrics = metrics
         self._on_fatal = on_fatal
         self._running: dict[str, _Running] = {}
+        # Requests that moved away: request id -> owner engine id (bounded, oldest dropped).
+        self._moved: dict[str, str] = {}
+        self.forward_abort: ForwardAbort | None = None
+        self.on_first_output: Callable[[AddRequest, float], None] | None = None
         self._outbox = _Outbox()
         self._step = 0
         self._draining = False
@@ -80,6 +113,26 @@ class EngineService:
     @property
     def draining(self) -> bool:
         return self._draining
+
+    def request_ids(self) -> list[str]:
+        return [rid for rid, running in self._running.items() if not running.migrating]
+
+    def tokens_of(self, request_id: str) -> int | None:
+        """Prompt plus output tokens of a running request (None when it is not running here)."""
+        running = self._running.get(request_id)
+        if running is None or running.migrating:
+            return None
+        return len(running.add.prompt_token_ids) + len(running.output_ids)
+
+    def max_tokens_of(self, request_id: str) -> int | None:
+        running = self._running.get(request_id)
+        if running is None:
+            return None
+        return (
+            len(running.add.prompt_token_ids)
+            + len(running.add.output_token_ids)
+            + running.add.sampling.max_tokens
+        )
 
     def on_request(self, message: AddRequest | AbortRequest) -> None:
         """Called on the event loop for each decoded frame."""
@@ -98,7 +151,12 @@ class EngineService:
         if add.request_id in self._running:
             self._refuse(add, PieceError("duplicate_request", f"request {add.request_id} already runs here"))
             return
-        running = _Running(add)
+        self.start(add)
+
+    def start(self, add: AddRequest, kv_params: dict[str, object] | None = None) -> None:
+        """Run ``add`` (continuing after ``add.output_token_ids`` if it has any)."""
+        self._moved.pop(add.request_id, None)
+        running = _Running(add, kv_params, output_ids=list(add.output_token_ids))
         self._running[add.request_id] = running
         self._idle.clear()
         running.task = asyncio.create_task(self._run(running), name=f"request-{add.request_id}")
@@ -112,26 +170,65 @@ class EngineService:
     def abort(self, request_id: str, reason: str) -> bool:
         running = self._running.get(request_id)
         if running is None or running.task is None:
+            owner = self._moved.get(request_id)
+            if owner is not None and self.forward_abort is not None:
+                self.forward_abort(owner, request_id, reason)
             return False
         running.abort_reason = reason
         running.task.cancel()
         return True
 
+    async def stop_for_migration(self, request_id: str) -> StoppedRequest | None:
+        """Stop a request at a step boundary without a final piece. None if it is not running
+        (it finished, was aborted, or is already moving)."""
+        running = self._running.get(request_id)
+        if running is None or running.task is None or running.migrating or running.final is not None:
+            return None
+        running.migrating = True
+        running.task.cancel()
+        await asyncio.wait([running.task])
+        if running.final is not None:
+            # It finished in the same step; the final piece went out as usual.
+            return None
+        return StoppedRequest(running.add, list(running.output_ids), running.first_output_at)
+
+    def hand_over(self, add: AddRequest, owner: str, generation: int) -> None:
+        """Tell the router that ``owner`` serves the request from now on (generation
+        ``generation``), and remember where it went for late ABORTs."""
+        self._moved[add.request_id] = owner
+        if len(self._moved) > 10_000:
+            del self._moved[next(iter(self._moved))]
+        first_index = len(add.output_token_ids)
+        self._emit(
+            add.reply_to, RequestPiece(add.request_id, first_index, generation=generation, owner=owner)
+        )
+
     async def _run(self, running: _Running) -> None:
         """Stream the request's outputs; the final piece and the clean-up are ``_done``'s."""
         add = running.add
         self._metrics.prompt_tokens.inc(len(add.prompt_token_ids))
-        stream = self._backend.generate(add.request_id, add.prompt_token_ids, add.sampling)
+        prompt, sampling = add.prompt_token_ids, add.sampling
+        if add.output_token_ids:
+            prompt = prompt + add.output_token_ids
+            sampling = msgspec.structs.replace(
+                sampling, max_tokens=sampling.max_tokens - len(add.output_token_ids)
+            )
+        stream = self._backend.generate(add.request_id, prompt, sampling, running.kv_params)
         async for out in stream:
             piece = RequestPiece(
                 add.request_id,
-                running.produced,
+                len(running.output_ids),
                 token_ids=out.token_ids,
                 text=out.text,
                 finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason,
+                generation=add.generation,
             )
-            running.produced += len(out.token_ids)
+            if not running.first_output_at and out.token_ids:
+                running.first_output_at = time.time()
+                if add.output_token_ids and self.on_first_output is not None:
+                    self.on_first_output(add, running.first_output_at)
+            running.output_ids.extend(out.token_ids)
             if out.finish_reason is not None:
                 piece.num_prompt_tokens = len(add.prompt_token_ids)
                 running.final = piece
@@ -142,25 +239,29 @@ class EngineService:
         every request gets exactly one final piece and leaves ``_running``."""
         add = running.add
         final = running.final
-        if final is None:
-            final = self._final_piece(running, task)
-            self._emit(add.reply_to, final)
         self._metrics.output_tokens.inc(running.produced)
-        self._metrics.finished(str(final.finish_reason))
+        if running.migrating and final is None and task.cancelled():
+            self._metrics.finished("migrated")
+        else:
+            if final is None:
+                final = self._final_piece(running, task)
+                self._emit(add.reply_to, final)
+            self._metrics.finished(str(final.finish_reason))
         del self._running[add.request_id]
         if not self._running:
             self._idle.set()
 
     def _final_piece(self, running: _Running, task: asyncio.Task[None]) -> RequestPiece:
-        add, produced = running.add, running.produced
+        add = running.add
 
         def ended(reason: FinishReason, error: PieceError) -> RequestPiece:
             return RequestPiece(
                 add.request_id,
-                produced,
+                len(running.output_ids),
                 finish_reason=reason,
                 num_prompt_tokens=len(add.prompt_token_ids),
                 error=error,
+                generation=add.generation,
             )
 
         if task.cancelled():
@@ -173,7 +274,9 @@ class EngineService:
             return ended(FinishReason.ERROR, PieceError("invalid_request", str(exc)))
         if isinstance(exc, BackendDeadError):
             self._on_fatal(exc)
-            return ended(FinishReason.ERROR, PieceError("engine_dead", str(exc), retryable=produced == 0))
+            return ended(
+                FinishReason.ERROR, PieceError("engine_dead", str(exc), retryable=not running.output_ids)
+            )
         logger.error("request %s failed", add.request_id, exc_info=exc)
         return ended(FinishReason.ERROR, PieceError("internal_error", f"{type(exc).__name__}: {exc}"))
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from vllm import SamplingParams, TokensPrompt
-from vllm.config import VllmConfig
+from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import GracefulHTTPError, VLLMClientError
 from vllm.sampling_params import RequestOutputKind
@@ -31,6 +31,7 @@ from shoal_engine.backend import (
     BackendRequestError,
 )
 from shoal_engine.config import EngineConfig
+from shoal_engine.kv.connector import PARAMS_KEY
 from shoal_protos.messages import FinishReason, SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class VllmBackend:
             distributed_executor_backend=self._config.executor_backend,
             disable_log_stats=False,
             enable_log_requests=False,
+            block_size=self._config.block_size,
+            kv_transfer_config=self._kv_transfer_config(),
         )
         load = self._load
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)])
@@ -121,13 +124,21 @@ class VllmBackend:
         )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        kv_params: dict[str, object] | None = None,
     ) -> AsyncIterator[BackendOutput]:
         assert self._llm is not None, "start() first"
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         try:
             # SamplingParams validates its values: a ValueError here is the request's fault.
             params = to_sampling_params(sampling)
+            if self._config.migration:
+                # The KV connector knows requests by Shoal's id (vLLM adds a suffix to its own).
+                shoal = {"id": request_id, **(kv_params or {})}
+                params.extra_args = {"kv_transfer_params": {PARAMS_KEY: shoal}}
             async for out in self._llm.generate(prompt, params, request_id):
                 completion = out.outputs[0]
                 reason = completion.finish_reason
@@ -146,6 +157,21 @@ class VllmBackend:
             raise BackendRequestError(
                 f"{type(cause).__name__}: {cause}" if cause else "generate failed"
             ) from exc
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        config = self._config
+        if not config.migration:
+            return None
+        return KVTransferConfig(
+            kv_connector="ShoalConnector",
+            kv_role="kv_both",
+            kv_connector_module_path="shoal_engine.kv.connector",
+            kv_connector_extra_config={
+                "control_address": config.kv_agent_address,
+                "data_address": config.kv_data_bind,
+                "transport": config.kv_transport,
+            },
+        )
 
     def load(self) -> BackendLoad:
         return self._load

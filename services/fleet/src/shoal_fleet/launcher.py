@@ -63,6 +63,15 @@ class FleetConfig:
     redis_port: int = 6379
     engine_zmq_base_port: int = 5600
     engine_http_base_port: int = 8100
+    engine_control_base_port: int = 5800
+    """Engine i serves gRPC EngineControl on this port + i."""
+    engine_kv_base_port: int = 5900
+    """Engine i's KV agent takes this port + 2i (data) and + 2i + 1 (control)."""
+    migration: bool = True
+    """Engines load the KV connector and can move running requests to each other."""
+    kv_block_size: int = 32
+    """KV block size in tokens when migration is on (the CPU build's smallest): the tail a
+    migrated request recomputes on its target is shorter than a block or two."""
     max_model_len: int | None = 2048
     kv_cache_gib: int = 1
     """KV cache space per engine (``VLLM_CPU_KVCACHE_SPACE``)."""
@@ -220,6 +229,16 @@ def supervisord_config(cfg: FleetConfig) -> str:
         ]
         if cfg.enforce_eager:
             command.append("--enforce-eager")
+        if cfg.migration:
+            command += [
+                "--migration",
+                "--control-port",
+                str(cfg.engine_control_base_port + i),
+                "--kv-port",
+                str(cfg.engine_kv_base_port + 2 * i),
+                "--block-size",
+                str(cfg.kv_block_size),
+            ]
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]
         env = {
@@ -377,6 +396,13 @@ class Fleet:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait()
+
+    def terminate(self) -> None:
+        """Ask supervisord to stop every program, without waiting (safe in a signal handler
+        that interrupts ``wait``: a nested ``Popen.wait`` would deadlock on its lock)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
 
     def wait(self) -> int:
         assert self._proc is not None

@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         "--engine-base-port",
         type=int,
         default=5600,
-        help="engine i takes ZeroMQ port BASE+i and HTTP port BASE+500+i",
+        help="engine i takes ZeroMQ port BASE+i, gRPC control BASE+200+i, "
+        "KV BASE+300+2i (and +1), HTTP BASE+500+i",
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         tokenizer_port=args.tokenizer_port,
         engine_zmq_base_port=args.engine_base_port,
         engine_http_base_port=args.engine_base_port + 500,
+        engine_control_base_port=args.engine_base_port + 200,
+        engine_kv_base_port=args.engine_base_port + 300,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
         restart=not args.no_restart,
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     fleet = Fleet(cfg, say=lambda line: print(line, flush=True))
     # Ctrl-C reaches supervisord too (same process group); it stops every program, then exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: fleet.stop())
+    signal.signal(signal.SIGTERM, lambda *_: fleet.terminate())
     try:
         fleet.start(new_session=False)
         fleet.wait_ready()

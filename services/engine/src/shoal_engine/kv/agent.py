@@ -31,11 +31,16 @@ from shoal_protos import kv
 
 logger = logging.getLogger(__name__)
 
+_STOP_WAIT_S = 5.0
+
 
 @dataclass(slots=True)
 class _Table:
+    vllm_id: str
     block_ids: list[int] = field(default_factory=list)
     tokens_written: int = 0
+    # vLLM finished the request but keeps its blocks until we say the send is over.
+    stopped: bool = False
 
 
 @dataclass(slots=True)
@@ -49,6 +54,7 @@ class _Staged:
 @dataclass(frozen=True, slots=True)
 class TableUpdate:
     request_id: str
+    vllm_id: str
     block_ids: list[int]
     # True: ``block_ids`` is the whole table (new or resumed request); False: appended blocks.
     replace: bool
@@ -87,11 +93,18 @@ class KvAgent:
         self._chunk_blocks = max(1, chunk_bytes // self.bytes_per_block)
         self._staging_ttl_s = staging_ttl_s
         self._lock = threading.Lock()
+        self._stopped = threading.Condition(self._lock)
         self._tables: dict[str, _Table] = {}
         self._staging: dict[str, _Staged] = {}
         self._load_errors: set[int] = set()
+        # Requests to keep when they stop (request id -> hold deadline), and vLLM ids whose
+        # held blocks may be freed now.
+        self._holds: dict[str, float] = {}
+        self._released: set[str] = set()
         self._ctx = zmq.Context(io_threads=1)
-        self._transport: KvTransport = make_transport(transport, self._ctx, self._chunk_blocks * self.bytes_per_block)
+        self._transport: KvTransport = make_transport(
+            transport, self._ctx, self._chunk_blocks * self.bytes_per_block
+        )
         self._stop = threading.Event()
         self._control = self._ctx.socket(zmq.REP)
         self._control.bind(control_address)
@@ -116,14 +129,20 @@ class KvAgent:
 
     def update_tables(self, updates: list[TableUpdate], finished: list[str]) -> None:
         with self._lock:
+            # Finished first: a request that left and came back in one step has a new table.
+            for request_id in finished:
+                table = self._tables.get(request_id)
+                if table is not None and request_id in self._holds:
+                    table.stopped = True  # vLLM keeps its blocks until we release them
+                    self._stopped.notify_all()
+                else:
+                    self._tables.pop(request_id, None)
             for update in updates:
                 table = self._tables.get(update.request_id)
-                if table is None or update.replace:
-                    table = self._tables[update.request_id] = _Table(list(update.block_ids))
+                if table is None or update.replace or table.stopped:
+                    table = self._tables[update.request_id] = _Table(update.vllm_id, list(update.block_ids))
                 else:
                     table.block_ids.extend(update.block_ids)
-            for request_id in finished:
-                self._tables.pop(request_id, None)
 
     def step_done(self, updates: list[TableUpdate]) -> None:
         """The forward pass wrote the KV of the tokens each update scheduled."""
@@ -162,6 +181,28 @@ class KvAgent:
                 self._load_errors.update(missing)
         return len(done)
 
+    def finished_sending(self, delayed: list[str]) -> set[str]:
+        """vLLM ids whose blocks vLLM may free now: of the requests it finished with their
+        blocks kept (``delayed``), those not held for a migration, plus held ones released
+        (or whose hold ran out)."""
+        now = time.monotonic()
+        with self._lock:
+            held_vllm_ids = {t.vllm_id for rid, t in self._tables.items() if rid in self._holds}
+            done = {vllm_id for vllm_id in delayed if vllm_id not in held_vllm_ids}
+            for request_id in [rid for rid, deadline in self._holds.items() if deadline < now]:
+                logger.warning("hold on %s ran out; its blocks are freed", request_id)
+                self._release_locked(request_id)
+            done |= self._released
+            self._released = set()
+        return done
+
+    def _release_locked(self, request_id: str) -> None:
+        self._holds.pop(request_id, None)
+        table = self._tables.get(request_id)
+        if table is not None and table.stopped:
+            del self._tables[request_id]
+            self._released.add(table.vllm_id)
+
     def take_load_errors(self) -> set[int]:
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
@@ -196,6 +237,14 @@ class KvAgent:
     def _handle(self, command: kv.AgentCommand) -> kv.AgentReply:
         if isinstance(command, kv.SendBlocks):
             return self._send_blocks(command)
+        if isinstance(command, kv.Hold):
+            with self._lock:
+                self._holds[command.request_id] = time.monotonic() + command.hold_s
+            return None
+        if isinstance(command, kv.Release):
+            with self._lock:
+                self._release_locked(command.request_id)
+            return None
         if isinstance(command, kv.FreeStaging):
             with self._lock:
                 self._staging.pop(command.migration_id, None)
@@ -203,11 +252,17 @@ class KvAgent:
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
                 table = self._tables.get(command.request_id)
-                ids = list(table.block_ids[command.first_block : command.first_block + command.num_blocks]) if table else []
+                ids = (
+                    list(table.block_ids[command.first_block : command.first_block + command.num_blocks])
+                    if table
+                    else []
+                )
             if len(ids) < command.num_blocks:
                 return kv.AgentError(message=f"request {command.request_id} has no blocks there")
             data = torch.stack([t.index_select(0, torch.tensor(ids)) for t in self._layers]).permute(1, 0, 2)
-            return kv.BlockBytes(first_block=command.first_block, num_blocks=len(ids), data=data.contiguous().numpy().tobytes())
+            return kv.BlockBytes(
+                first_block=command.first_block, num_blocks=len(ids), data=data.contiguous().numpy().tobytes()
+            )
         if isinstance(command, kv.ReadStaged):
             with self._lock:
                 staged = self._staging.get(command.migration_id)
@@ -216,7 +271,9 @@ class KvAgent:
                 return kv.AgentError(message=f"nothing staged for {command.migration_id}")
             first = chunks[0][0]
             data = torch.cat([c.permute(1, 0, 2) for _, (_, c) in chunks])
-            return kv.BlockBytes(first_block=first, num_blocks=data.shape[0], data=data.contiguous().numpy().tobytes())
+            return kv.BlockBytes(
+                first_block=first, num_blocks=data.shape[0], data=data.contiguous().numpy().tobytes()
+            )
         self._expire_staging()
         with self._lock:
             return kv.Status(
@@ -232,16 +289,35 @@ class KvAgent:
         started = time.perf_counter()
         with self._lock:
             table = self._tables.get(command.request_id)
+            if command.partial and command.request_id in self._holds:
+                # The abort reaches vLLM's scheduler a step later: wait until it stopped.
+                deadline = time.monotonic() + _STOP_WAIT_S
+                while (table is None or not table.stopped) and time.monotonic() < deadline:
+                    self._stopped.wait(deadline - time.monotonic())
+                    table = self._tables.get(command.request_id)
             if table is None:
                 return kv.AgentError(message=f"request {command.request_id} is not running here")
             written = table.tokens_written
-            full = min(written // self.block_size, len(table.block_ids))
-            last = min(full, command.first_block + command.max_blocks)
+            if command.partial and not table.stopped:
+                return kv.AgentError(
+                    message=f"request {command.request_id} did not stop within {_STOP_WAIT_S} s"
+                )
+            # A partly filled block is sent only once the request is stopped: until then the
+            # next step writes into it.
+            blocks = -(-written // self.block_size) if command.partial else written // self.block_size
+            last = min(blocks, len(table.block_ids), command.first_block + command.max_blocks)
             ids = table.block_ids[command.first_block : last]
         if not ids:
-            return kv.SentBlocks(next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written)
+            return kv.SentBlocks(
+                next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written
+            )
         sent = self._transport.send(
-            command.target, command.migration_id, command.first_block, ids, self._layers, self.bytes_per_layer_block
+            command.target,
+            command.migration_id,
+            command.first_block,
+            ids,
+            self._layers,
+            self.bytes_per_layer_block,
         )
         return kv.SentBlocks(
             next_block=command.first_block + len(ids),
@@ -278,7 +354,8 @@ class KvAgent:
             return kv.StageAck(
                 migration_id=header.migration_id,
                 staged_blocks=0,
-                error=f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here",
+                error=f"layout mismatch: {header.bytes_per_block} bytes per block sent, "
+                f"{self.bytes_per_block} here",
             )
         # The frame's own buffer becomes the staged tensor: no copy on receipt.
         data = torch.frombuffer(frames[1].buffer, dtype=torch.uint8).view(
@@ -305,7 +382,9 @@ def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Ten
     """View one layer's KV cache as ``[num_blocks, bytes per block]`` uint8."""
     dims = [d for d, size in enumerate(tensor.shape) if size == num_blocks]
     if not dims:
-        raise ValueError(f"layer {name}: no dimension of size {num_blocks} (the block count) in {tuple(tensor.shape)}")
+        raise ValueError(
+            f"layer {name}: no dimension of size {num_blocks} (the block count) in {tuple(tensor.shape)}"
+        )
     moved = tensor.movedim(dims[0], 0)
     if not moved.is_contiguous():
         raise ValueError(f"layer {name}: blocks are not contiguous in layout {tuple(tensor.shape)}")

@@ -8,14 +8,19 @@ Scheduler side, every step (``build_connector_meta``):
     appended blocks otherwise) and how many tokens of KV each will have after the step, keyed by
     Shoal's request id (passed in ``kv_transfer_params["shoal"]["id"]``);
   * loads: a request arriving by migration carries ``{"load": {"migration": M, "tokens": T}}``;
-    ``get_num_new_matched_tokens`` claims its first ``T`` tokens (whole blocks, never the last
-    token, less what the local prefix cache already has), and once vLLM has allocated the
+    ``get_num_new_matched_tokens`` claims its first ``T`` tokens (never the last one, which
+    vLLM must compute; less what the local prefix cache has), and once vLLM has allocated the
     blocks the metadata tells the worker which staged blocks go where.
 
+  * an aborted request's blocks are kept (``request_finished`` says so) until the worker
+    reports them free: a migration stops its request with an abort, then copies its last,
+    partly filled block.
+
 Worker side: ``start_load_kv`` hands table updates to the KV agent and injects the step's loads
-before the forward pass (synchronously: the staged bytes are already in this process);
-``wait_for_save`` tells the agent which tokens' KV the forward pass wrote. Blocks that could not
-be loaded are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them.
+(vLLM runs it before the forward pass when a step has synchronous loads; the staged bytes are
+already in this process); ``wait_for_save`` tells the agent which tokens' KV the forward pass
+wrote; ``get_finished`` frees kept blocks the agent does not hold. Blocks that could not be
+loaded are reported through ``get_block_ids_with_load_errors`` and vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.request import RequestStatus
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
 
@@ -50,7 +56,10 @@ PARAMS_KEY = "shoal"
 class ShoalConnectorMetadata(KVConnectorMetadata):
     updates: list[TableUpdate] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
+    # Shoal ids of requests that finished, and vLLM ids of those whose blocks vLLM keeps
+    # until the worker reports them (aborted requests: one may be a migration's stop).
     finished: list[str] = field(default_factory=list)
+    delayed: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -61,7 +70,9 @@ class _PendingLoad:
 
 
 class ShoalConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks
@@ -69,36 +80,49 @@ class ShoalConnector(KVConnectorBase_V1):
         # Scheduler side: vLLM's request id -> Shoal's; loads waiting for their blocks.
         self._ids: dict[str, str] = {}
         self._loads: dict[str, _PendingLoad] = {}
+        self._delayed: list[str] = []
+        # Local prefix-cache hits of requests with KV to load (set when vLLM asks how many
+        # tokens the connector has, used once their blocks are allocated).
+        self._matched: dict[str, int] = {}
         # Worker side.
         self._agent: KvAgent | None = None
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
         if "id" in params:
             self._ids[request.request_id] = str(params["id"])
         load = params.get("load")
         if not load:
             return 0, False
-        block = self._block_size
-        # Whole blocks only, and never the last token: vLLM must compute at least one.
-        tokens = min(int(load["tokens"]), (request.num_tokens - 1) // block * block)
+        # Never the last token: vLLM must compute at least one to sample the next.
+        tokens = min(int(load["tokens"]), request.num_tokens - 1)
         if tokens <= num_computed_tokens:
             return 0, False
+        # The local prefix cache already has the first ``num_computed_tokens``: load the rest.
+        self._matched[request.request_id] = num_computed_tokens
         return tokens - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        local = self._matched.pop(request.request_id, None)
+        if num_external_tokens <= 0 or local is None:
             return
         load = (request.kv_transfer_params or {})[PARAMS_KEY]["load"]
-        end = request.num_computed_tokens + num_external_tokens
+        end = local + num_external_tokens
         self._loads[request.request_id] = _PendingLoad(
-            str(load["migration"]), request.num_computed_tokens // self._block_size, end // self._block_size
+            str(load["migration"]),
+            local // self._block_size,
+            -(-end // self._block_size),  # the last, partly filled block too
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = ShoalConnectorMetadata()
+        meta = ShoalConnectorMetadata(delayed=self._delayed)
+        self._delayed = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             shoal_id = self._ids.get(new.req_id)
@@ -106,12 +130,23 @@ class ShoalConnector(KVConnectorBase_V1):
                 continue
             block_ids = list(new.block_ids[0])
             meta.updates.append(
-                TableUpdate(shoal_id, block_ids, True, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+                TableUpdate(
+                    shoal_id,
+                    new.req_id,
+                    block_ids,
+                    True,
+                    new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                )
             )
             pending = self._loads.pop(new.req_id, None)
             if pending is not None:
                 meta.loads.append(
-                    Load(shoal_id, pending.migration_id, pending.first_block, block_ids[pending.first_block : pending.last_block])
+                    Load(
+                        shoal_id,
+                        pending.migration_id,
+                        pending.first_block,
+                        block_ids[pending.first_block : pending.last_block],
+                    )
                 )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -122,6 +157,7 @@ class ShoalConnector(KVConnectorBase_V1):
             meta.updates.append(
                 TableUpdate(
                     shoal_id,
+                    req_id,
                     list(new_blocks[0]) if new_blocks else [],
                     req_id in cached.resumed_req_ids,
                     cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
@@ -130,12 +166,18 @@ class ShoalConnector(KVConnectorBase_V1):
         for req_id in scheduler_output.finished_req_ids:
             shoal_id = self._ids.pop(req_id, None)
             self._loads.pop(req_id, None)
+            self._matched.pop(req_id, None)
             if shoal_id is not None:
                 meta.finished.append(shoal_id)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # The blocks are freed at once: a migrating request's blocks were copied while it ran.
+        # A migration stops its request with an abort and then copies the last, partly filled
+        # block: keep an aborted request's blocks until the worker says they may go (at once,
+        # unless the engine service holds the request).
+        if request.status == RequestStatus.FINISHED_ABORTED and request.request_id in self._ids:
+            self._delayed.append(request.request_id)
+            return True, None
         return False, None
 
     # ---- worker side ------------------------------------------------------------------------
@@ -163,13 +205,22 @@ class ShoalConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if self._agent is not None and isinstance(meta, ShoalConnectorMetadata):
             self._agent.step_done(meta.updates)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        meta = self._connector_metadata
+        delayed = meta.delayed if isinstance(meta, ShoalConnectorMetadata) else []
+        if self._agent is None:
+            return set(delayed) or None, None
+        return self._agent.finished_sending(delayed) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._agent.take_load_errors() if self._agent is not None else set()

@@ -42,7 +42,9 @@ class KvTransport(Protocol):
 
 
 class TcpTransport:
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], chunk_bytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], chunk_bytes: int, timeout_s: float = 30.0
+    ) -> None:
         self._ctx = ctx
         self._chunk_bytes = chunk_bytes
         self._timeout_ms = int(timeout_s * 1000)

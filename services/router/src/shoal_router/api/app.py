@@ -29,6 +29,8 @@ from shoal_router.ipc.tokenizing import TokenizerClient
 logger = logging.getLogger(__name__)
 
 ENGINE_HEADER = "X-Shoal-Engine"
+# The request's id across the fleet (engines, migrations, Redis records).
+REQUEST_HEADER = "X-Shoal-Request-Id"
 """Response header naming the engine that produced the first tokens (for operators and tests)."""
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -194,7 +196,7 @@ def create_app(
             return StreamingResponse(
                 _stream(handle, body, first, deltas, response_id, chat),
                 media_type="text/event-stream",
-                headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id},
+                headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id, REQUEST_HEADER: handle.request_id},
             )
         return await _collect(request, handle, body, first, deltas, response_id, chat)
 
@@ -298,7 +300,7 @@ def create_app(
                 "choices": [choice],
                 "usage": _usage(handle),
             },
-            headers={ENGINE_HEADER: last.engine_id},
+            headers={ENGINE_HEADER: last.engine_id, REQUEST_HEADER: handle.request_id},
         )
 
     return app

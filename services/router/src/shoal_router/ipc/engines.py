@@ -6,7 +6,9 @@
     engines ── OutputBatch ──▶ [PULL, bound at reply_to] ── ingest task ──▶ collector.put()
 
 One task reads the PULL socket, decodes each batch and hands every piece to its request's
-collector, yielding to the loop every ``_CHUNK`` pieces so that a burst of large batches does not
+collector (from the engine that owns the request; a piece with a higher ownership generation
+says the request moved, and its owner becomes the engine that serves it and receives its
+ABORT), yielding to the loop every ``_CHUNK`` pieces so that a burst of large batches does not
 starve the HTTP handlers (``AsyncLLM``'s output handler does the same). Sends never block the
 loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the request is
 answered 503 instead of being queued without bound.
@@ -34,6 +36,7 @@ from shoal_protos.messages import (
     FrameType,
     OutputBatch,
     PieceError,
+    RequestPiece,
     RouterRequestEncoder,
 )
 from shoal_router.core.outputs import RequestOutputCollector
@@ -47,7 +50,12 @@ _CHUNK = 256
 @dataclass(slots=True)
 class _Tracked:
     collector: RequestOutputCollector
+    # The engine serving the request, and the ownership generation it serves under.
     engine_id: str
+    generation: int = 0
+    # The owner before the last move: its pieces of the previous generation may still be in
+    # flight (they hold tokens produced before the move).
+    previous: str = ""
 
 
 class EngineClient:
@@ -180,10 +188,18 @@ class EngineClient:
                 continue
             for i, piece in enumerate(batch.pieces):
                 tracked = requests.get(piece.request_id)
-                if tracked is not None and tracked.engine_id == batch.engine_id:
+                if (
+                    tracked is not None
+                    and _owned(tracked, batch.engine_id, piece)
+                    and (piece.token_ids or piece.finish_reason is not None)
+                ):
                     tracked.collector.put(batch.engine_id, piece)
                 if i and i % _CHUNK == 0:
                     await asyncio.sleep(0)
+
+    def owner_of(self, request_id: str) -> tuple[str, int] | None:
+        tracked = self._requests.get(request_id)
+        return (tracked.engine_id, tracked.generation) if tracked else None
 
     async def aclose(self) -> None:
         for task in self._monitors.values():
@@ -194,3 +210,17 @@ class EngineClient:
             sock.close(linger=0)
         self._sockets.clear()
         self._pull.close(linger=0)
+
+
+def _owned(tracked: _Tracked, engine_id: str, piece: RequestPiece) -> bool:
+    """Whether a piece from ``engine_id`` belongs to the request as the router knows it, moving
+    the request to its new owner when the piece says it moved (a higher generation)."""
+    if piece.generation > tracked.generation:
+        tracked.previous = tracked.engine_id
+        tracked.engine_id = piece.owner or engine_id
+        tracked.generation = piece.generation
+        return True
+    if engine_id == tracked.engine_id:
+        return True
+    # Late tokens from the owner before the move; the collector orders them by index.
+    return engine_id == tracked.previous and piece.generation == tracked.generation - 1

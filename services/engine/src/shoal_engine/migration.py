@@ -1,0 +1,616 @@
+"""Live migration: move a running request, with its KV cache, to another engine.
+
+One ``MigrationManager`` per engine plays both roles. As the **source** (``migrate``)::
+
+    prepare   target reserves room or refuses            (gRPC PrepareMigration)
+    pre-copy  full KV blocks -> target's staging area,    (KV agent SendBlocks, in stages,
+              while the request keeps decoding here        bounded by max stages / last-stage blocks)
+    stop      at a step boundary, no final piece; vLLM     (EngineService.stop_for_migration,
+              keeps the blocks while the agent holds them   KV agent Hold / Release)
+    last      the blocks filled since, the partial one too (SendBlocks partial=True)
+    commit    token state -> target, which admits          (gRPC CommitMigration)
+              prompt + outputs so far with the KV loaded
+    switch    owner record in Redis (fencing generation),  (hand-over piece to the router)
+              the router moves the request to the target
+    free      vLLM freed the source's blocks at the stop
+
+Full blocks never change again, so they are copied while the request decodes; only the few
+blocks filled since the last pre-copy stage, and the partly filled last one, are copied while
+the request is stopped. The target loads the KV of every token but the last sampled one, which
+it computes like a decode step, so the output goes on exactly as if the request never moved.
+Every step has a deadline. A target that refuses or fails
+before the stop leaves the request running here; one that fails after the stop gets the request
+back here: it resumes from its tokens, with this engine's prefix cache still holding its KV.
+
+As the **target** it answers ``PrepareMigration`` / ``CommitMigration`` / ``CancelMigration``;
+a staging area with no commit is freed when its reservation times out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import msgspec
+import redis.asyncio as aioredis
+import zmq
+import zmq.asyncio
+from redis.exceptions import RedisError
+
+from shoal_engine.config import EngineConfig
+from shoal_engine.metrics import EngineMetrics
+from shoal_engine.serving import EngineService, StoppedRequest
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos import kv
+from shoal_protos.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineRequestDecoder,
+    FrameType,
+    RouterRequestEncoder,
+)
+from shoal_protos.records import (
+    EngineRecord,
+    EngineState,
+    Keys,
+    MigrationRecord,
+    OwnerRecord,
+    engine_record_decoder,
+    json_encoder,
+    load_report_decoder,
+    migration_record_decoder,
+)
+
+logger = logging.getLogger(__name__)
+
+_OUTCOME_NAMES = {pb.MIGRATED: "MIGRATED", pb.REFUSED: "REFUSED", pb.FAILED: "FAILED", pb.GONE: "GONE"}
+
+# Sets the owner record only if its generation moves forward (fencing).
+_SET_OWNER = """
+local current = redis.call('GET', KEYS[1])
+if current then
+  local generation = cjson.decode(current)['generation']
+  if generation and generation >= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+return 1
+"""
+
+
+class MigrationError(Exception):
+    """A migration step failed; the request stays on (or comes back to) the source."""
+
+
+class AgentClient:
+    """The engine service's line to its KV agent (a REQ socket; one call at a time)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> None:
+        self._ctx = ctx
+        self._address = address
+        self._timeout_s = timeout_s
+        self._lock = asyncio.Lock()
+        self._sock: zmq.asyncio.Socket | None = None
+
+    async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
+        async with self._lock:
+            if self._sock is None:
+                self._sock = self._ctx.socket(zmq.REQ)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                self._sock.connect(self._address)
+            sock = self._sock
+            await sock.send(kv.encoder.encode(command))
+            if not await sock.poll(self._timeout_s * 1000):
+                # A REQ socket with a lost reply is stuck: start over with a new one.
+                sock.close(linger=0)
+                self._sock = None
+                raise MigrationError(f"KV agent did not answer within {self._timeout_s} s")
+            reply = kv.agent_reply_decoder.decode(await sock.recv())
+        if isinstance(reply, kv.AgentError):
+            raise MigrationError(f"KV agent: {reply.message}")
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    blocks: int
+    expiry: asyncio.TimerHandle
+
+
+class MigrationManager:
+    def __init__(
+        self,
+        config: EngineConfig,
+        service: EngineService,
+        load_free_blocks: Callable[[], int],
+        redis_client: aioredis.Redis,
+        keys: Keys,
+        metrics: EngineMetrics,
+    ) -> None:
+        self._config = config
+        self._engine_id = config.engine_id
+        self._service = service
+        self._free_blocks = load_free_blocks
+        self._redis = redis_client
+        self._keys = keys
+        self._metrics = metrics
+        self._ctx = zmq.asyncio.Context()
+        self._agent = AgentClient(self._ctx, config.kv_agent_address, config.migration_step_timeout_s)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peer_push: dict[str, zmq.Socket[bytes]] = {}
+        self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
+        self._encoder = RouterRequestEncoder()
+        self._add_decoder = EngineRequestDecoder()
+        self._reserved: dict[str, _Reservation] = {}
+        self._moving: set[str] = set()
+        self._history: deque[pb.MigrationResult] = deque(maxlen=256)
+        self._status: kv.Status | None = None
+        self._owner_script = redis_client.register_script(_SET_OWNER)
+        # Migrated-in requests awaiting their first token: id -> (migration, source's last output).
+        self._arriving: dict[str, tuple[str, float]] = {}
+        service.forward_abort = self._forward_abort
+        service.on_first_output = self._first_output
+
+    # ---- source side --------------------------------------------------------------------------
+
+    async def migrate(self, request_id: str, target_engine_id: str, reason: str) -> pb.MigrationResult:
+        started = time.perf_counter()
+        result = pb.MigrationResult(
+            migration_id=uuid.uuid4().hex[:16],
+            request_id=request_id,
+            source_engine_id=self._engine_id,
+            target_engine_id=target_engine_id,
+            reason=reason or "admin",
+        )
+        if self._service.tokens_of(request_id) is None or request_id in self._moving:
+            return self._finish(result, pb.GONE, "the request is not running here", started)
+        self._moving.add(request_id)
+        try:
+            await self._migrate(result, started)
+        except (MigrationError, grpc.aio.AioRpcError, TimeoutError, RedisError, OSError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            return self._finish(result, pb.FAILED, detail or type(exc).__name__, started)
+        finally:
+            self._moving.discard(request_id)
+        return result
+
+    async def _migrate(self, result: pb.MigrationResult, started: float) -> None:
+        config = self._config
+        request_id = result.request_id
+        target = await self._pick_target(result.target_engine_id)
+        if target is None:
+            self._finish(result, pb.REFUSED, "no active engine to move to", started)
+            return
+        result.target_engine_id = target.engine_id
+        status = await self._agent_status()
+        block = status.block_size
+        stub = self._stub(target.control_address)
+        timeout = config.migration_step_timeout_s
+        tokens = self._service.tokens_of(request_id) or 0
+        max_tokens = self._service.max_tokens_of(request_id) or tokens
+        prepared = await stub.PrepareMigration(
+            pb.PrepareRequest(
+                migration_id=result.migration_id,
+                request_id=request_id,
+                source_engine_id=self._engine_id,
+                num_blocks=math.ceil(tokens / block),
+                max_blocks=math.ceil(max_tokens / block),
+                bytes_per_block=status.bytes_per_block,
+            ),
+            timeout=timeout,
+        )
+        if not prepared.accepted:
+            self._finish(result, pb.REFUSED, prepared.detail, started)
+            return
+        stopped: StoppedRequest | None = None
+        try:
+            next_block = 0
+            while True:
+                sent = await self._agent.call(
+                    kv.SendBlocks(
+                        request_id=request_id,
+                        migration_id=result.migration_id,
+                        target=prepared.kv_address,
+                        first_block=next_block,
+                    )
+                )
+                assert isinstance(sent, kv.SentBlocks)
+                result.stages += 1
+                result.bytes += sent.bytes
+                result.blocks += sent.blocks
+                next_block = sent.next_block
+                now = self._service.tokens_of(request_id)
+                if now is None:
+                    raise _GoneError
+                left = now // block - next_block
+                # The last stage runs before the stop: it is at most this small.
+                if (
+                    left <= config.migration_last_stage_max_blocks
+                    or result.stages >= config.migration_max_stages
+                ):
+                    break
+            # Stop at a step boundary with the blocks kept, send what is left (the last block
+            # partly filled), then let vLLM free them.
+            await self._agent.call(kv.Hold(request_id=request_id, hold_s=timeout))
+            stop_at = time.perf_counter()
+            try:
+                stopped = await self._service.stop_for_migration(request_id)
+                if stopped is None:
+                    raise _GoneError
+                sent = await self._agent.call(
+                    kv.SendBlocks(
+                        request_id=request_id,
+                        migration_id=result.migration_id,
+                        target=prepared.kv_address,
+                        first_block=next_block,
+                        partial=True,
+                    )
+                )
+            finally:
+                await self._agent.call(kv.Release(request_id=request_id))
+            assert isinstance(sent, kv.SentBlocks)
+            result.stages += 1
+            result.bytes += sent.bytes
+            result.blocks += sent.blocks
+            written = sent.tokens_written
+            add = msgspec.structs.replace(
+                stopped.add, output_token_ids=stopped.output_ids, generation=stopped.add.generation + 1
+            )
+            result.kv_tokens = written
+            result.total_tokens = len(add.prompt_token_ids) + len(add.output_token_ids)
+            committed = await stub.CommitMigration(
+                pb.CommitRequest(
+                    migration_id=result.migration_id,
+                    add_request=self._encoder.add(add)[1],
+                    kv_tokens=result.kv_tokens,
+                    last_output_at=stopped.last_output_at,
+                ),
+                timeout=timeout,
+            )
+            if not committed.accepted:
+                raise MigrationError(f"target refused the commit: {committed.detail}")
+            result.downtime_ms = (time.perf_counter() - stop_at) * 1000
+            self._service.hand_over(add, target.engine_id, add.generation)
+            stopped = None
+            await self._record_owner(add, target.engine_id)
+            self._metrics.migration_bytes.observe(result.bytes)
+            self._metrics.migration_stages.observe(result.stages)
+            self._metrics.migration_downtime.observe(result.downtime_ms / 1000)
+            self._finish(result, pb.MIGRATED, "", started)
+        except _GoneError:
+            await self._cancel(stub, result.migration_id)
+            self._finish(result, pb.GONE, "the request finished before it could move", started)
+        except BaseException:
+            await self._cancel(stub, result.migration_id)
+            if stopped is not None:
+                self._resume_here(stopped)
+            raise
+
+    def _resume_here(self, stopped: StoppedRequest) -> None:
+        """The target failed after the stop: run the request on here, after its tokens."""
+        add = msgspec.structs.replace(
+            stopped.add, output_token_ids=stopped.output_ids, generation=stopped.add.generation + 1
+        )
+        logger.warning("migration of %s failed after its stop; resuming it here", add.request_id)
+        self._service.start(add)
+
+    async def _cancel(self, stub: pb_grpc.EngineControlStub, migration_id: str) -> None:
+        try:
+            await stub.CancelMigration(pb.CancelRequest(migration_id=migration_id), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            logger.info(
+                "could not cancel migration %s on its target (%s); its staging expires",
+                migration_id,
+                exc.code(),
+            )
+
+    async def drain(self, deadline_s: float) -> pb.DrainResult:
+        """Move every running request away, a few at a time, until done or ``deadline_s``."""
+        result = pb.DrainResult()
+        deadline = time.monotonic() + deadline_s
+        limit = asyncio.Semaphore(4)
+
+        async def move(request_id: str) -> pb.MigrationResult:
+            async with limit:
+                if time.monotonic() > deadline:
+                    return pb.MigrationResult(
+                        request_id=request_id, outcome=pb.FAILED, detail="drain deadline passed"
+                    )
+                return await self.migrate(request_id, "", "drain")
+
+        while time.monotonic() < deadline:
+            pending = self._service.request_ids()
+            if not pending:
+                break
+            moves = await asyncio.gather(*(move(rid) for rid in pending))
+            result.migrations.extend(moves)
+            if not any(m.outcome == pb.MIGRATED for m in moves):
+                break  # nowhere to go: do not spin
+        result.migrated = sum(1 for m in result.migrations if m.outcome == pb.MIGRATED)
+        result.failed = sum(1 for m in result.migrations if m.outcome in (pb.FAILED, pb.REFUSED))
+        result.remaining = len(self._service.request_ids())
+        return result
+
+    async def _pick_target(self, engine_id: str) -> EngineRecord | None:
+        if engine_id:
+            raw = await self._redis.get(self._keys.engine(engine_id))
+            if raw is None:
+                raise MigrationError(f"engine {engine_id} is not registered")
+            record = engine_record_decoder.decode(raw)
+            if not record.control_address or engine_id == self._engine_id:
+                raise MigrationError(f"engine {engine_id} cannot take migrations")
+            return record
+        ids = sorted(m.decode() for m in await self._redis.smembers(self._keys.engines))
+        best: tuple[int, EngineRecord] | None = None
+        for other in ids:
+            if other == self._engine_id:
+                continue
+            raw_record, raw_load = await self._redis.mget(self._keys.engine(other), self._keys.load(other))
+            if raw_record is None:
+                continue
+            record = engine_record_decoder.decode(raw_record)
+            if record.state != EngineState.ACTIVE or not record.control_address:
+                continue
+            free = load_report_decoder.decode(raw_load).kv_blocks_free if raw_load else 0
+            if best is None or free > best[0]:
+                best = (free, record)
+        return best[1] if best else None
+
+    async def _agent_status(self) -> kv.Status:
+        if self._status is None:
+            status = await self._agent.call(kv.AgentStatus())
+            assert isinstance(status, kv.Status)
+            self._status = status
+        return self._status
+
+    def _stub(self, address: str) -> pb_grpc.EngineControlStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return pb_grpc.EngineControlStub(channel)
+
+    async def _record_owner(self, add: AddRequest, engine_id: str) -> None:
+        owner = OwnerRecord(
+            request_id=add.request_id, engine_id=engine_id, generation=add.generation, router=add.reply_to
+        )
+        try:
+            await self._owner_script(
+                keys=[self._keys.owner(add.request_id)],
+                args=[json_encoder.encode(owner), add.generation, 3600],
+            )
+        except RedisError as exc:
+            # Serving does not wait on Redis: the router learns the owner from the pieces.
+            logger.warning("could not record the new owner of %s: %s", add.request_id, exc)
+
+    def _finish(
+        self, result: pb.MigrationResult, outcome: int, detail: str, started: float
+    ) -> pb.MigrationResult:
+        result.outcome = outcome  # type: ignore[assignment]
+        result.detail = detail
+        result.duration_ms = (time.perf_counter() - started) * 1000
+        name = _OUTCOME_NAMES[outcome]
+        self._metrics.migrated("source", result.reason, name)
+        self._history.appendleft(result)
+        log = logger.info if outcome == pb.MIGRATED else logger.warning
+        log(
+            "migration %s of %s to %s: %s%s (%d stages, %d bytes, downtime %.1f ms, %.1f ms in all)",
+            result.migration_id,
+            result.request_id,
+            result.target_engine_id or "?",
+            name,
+            f" ({detail})" if detail else "",
+            result.stages,
+            result.bytes,
+            result.downtime_ms,
+            result.duration_ms,
+        )
+        asyncio.get_running_loop().create_task(self._write_record(result, name))
+        return result
+
+    async def _write_record(self, result: pb.MigrationResult, outcome: str) -> None:
+        record = MigrationRecord(
+            migration_id=result.migration_id,
+            request_id=result.request_id,
+            source=result.source_engine_id,
+            target=result.target_engine_id,
+            reason=result.reason,
+            outcome=outcome,
+            detail=result.detail,
+            stages=result.stages,
+            bytes=result.bytes,
+            blocks=result.blocks,
+            kv_tokens=result.kv_tokens,
+            total_tokens=result.total_tokens,
+            downtime_ms=result.downtime_ms,
+            duration_ms=result.duration_ms,
+            finished_at=time.time(),
+        )
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(
+                    self._keys.migration(result.migration_id), json_encoder.encode(record), ex=86400, nx=True
+                )
+                pipe.lpush(self._keys.migrations, result.migration_id)
+                pipe.ltrim(self._keys.migrations, 0, 999)
+                await pipe.execute()
+        except RedisError as exc:
+            logger.warning("could not write migration record %s: %s", result.migration_id, exc)
+
+    def _forward_abort(self, owner: str, request_id: str, reason: str) -> None:
+        asyncio.get_running_loop().create_task(self._send_abort(owner, request_id, reason))
+
+    async def _send_abort(self, owner: str, request_id: str, reason: str) -> None:
+        try:
+            raw = await self._redis.get(self._keys.engine(owner))
+        except RedisError as exc:
+            logger.warning("cannot pass the abort of %s on to %s: %s", request_id, owner, exc)
+            return
+        if raw is None:
+            return
+        address = engine_record_decoder.decode(raw).zmq_address
+        sock = self._peer_push.get(address)
+        if sock is None:
+            sock = self._peer_push[address] = self._push_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+        try:
+            sock.send_multipart(self._encoder.abort(AbortRequest([request_id], reason)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("cannot pass the abort of %s on to %s: socket full", request_id, owner)
+
+    # ---- target side --------------------------------------------------------------------------
+
+    async def prepare(self, request: pb.PrepareRequest) -> pb.PrepareReply:
+        if self._service.draining:
+            return self._refuse_prepare(request, "the target is draining")
+        status = await self._agent_status()
+        if request.bytes_per_block != status.bytes_per_block:
+            return self._refuse_prepare(
+                request,
+                f"KV layout differs: {request.bytes_per_block} bytes per block there, "
+                f"{status.bytes_per_block} here",
+            )
+        reserved = sum(r.blocks for r in self._reserved.values())
+        free = self._free_blocks() - reserved
+        # Room for what it holds now plus one block to grow into.
+        if free < request.num_blocks + 1:
+            return self._refuse_prepare(
+                request, f"no room: {free} free KV blocks, {request.num_blocks + 1} needed"
+            )
+        ttl = self._config.migration_step_timeout_s * (self._config.migration_max_stages + 3)
+        expiry = asyncio.get_running_loop().call_later(ttl, self._expire, request.migration_id)
+        self._reserved[request.migration_id] = _Reservation(request.num_blocks + 1, expiry)
+        return pb.PrepareReply(accepted=True, kv_address=self._config.kv_data_bind, staging_ttl_s=ttl)
+
+    def _refuse_prepare(self, request: pb.PrepareRequest, detail: str) -> pb.PrepareReply:
+        self._metrics.migrated("target", "prepare", "REFUSED")
+        logger.info("refused migration %s of %s: %s", request.migration_id, request.request_id, detail)
+        return pb.PrepareReply(accepted=False, detail=detail)
+
+    def _expire(self, migration_id: str) -> None:
+        if self._reserved.pop(migration_id, None) is not None:
+            logger.warning("migration %s: no commit in time; freeing its staging", migration_id)
+            asyncio.get_running_loop().create_task(self._free_staging(migration_id))
+
+    async def _free_staging(self, migration_id: str) -> None:
+        try:
+            await self._agent.call(kv.FreeStaging(migration_id=migration_id))
+        except MigrationError as exc:
+            logger.warning("could not free staging of %s: %s", migration_id, exc)
+
+    async def commit(self, request: pb.CommitRequest) -> pb.CommitReply:
+        reservation = self._reserved.pop(request.migration_id, None)
+        if reservation is not None:
+            reservation.expiry.cancel()
+        try:
+            add = self._add_decoder.decode(FrameType.ADD.value, request.add_request)
+        except msgspec.DecodeError as exc:
+            return pb.CommitReply(accepted=False, detail=f"undecodable request state: {exc}")
+        if not isinstance(add, AddRequest):
+            return pb.CommitReply(accepted=False, detail="request state is not an ADD")
+        if self._service.draining:
+            await self._free_staging(request.migration_id)
+            return pb.CommitReply(accepted=False, detail="the target is draining")
+        if self._service.tokens_of(add.request_id) is not None:
+            return pb.CommitReply(accepted=False, detail="the request already runs here")
+        self._arriving[add.request_id] = (request.migration_id, request.last_output_at)
+        load = {"migration": request.migration_id, "tokens": request.kv_tokens} if request.kv_tokens else None
+        self._service.start(add, {"load": load} if load else None)
+        self._metrics.migrated("target", "commit", "MIGRATED")
+        return pb.CommitReply(accepted=True)
+
+    async def cancel(self, request: pb.CancelRequest) -> pb.CancelReply:
+        reservation = self._reserved.pop(request.migration_id, None)
+        if reservation is not None:
+            reservation.expiry.cancel()
+        await self._free_staging(request.migration_id)
+        return pb.CancelReply()
+
+    def _first_output(self, add: AddRequest, at: float) -> None:
+        arriving = self._arriving.pop(add.request_id, None)
+        if arriving is None:
+            return
+        migration_id, last_output_at = arriving
+        if last_output_at:
+            stall_s = max(0.0, at - last_output_at)
+            self._metrics.migration_stall.observe(stall_s)
+            asyncio.get_running_loop().create_task(self._record_stall(migration_id, stall_s * 1000))
+
+    async def _record_stall(self, migration_id: str, stall_ms: float) -> None:
+        key = self._keys.migration(migration_id)
+        # The source writes the record when the commit returns; it may not be there yet.
+        for _ in range(40):
+            try:
+                raw = await self._redis.get(key)
+                if raw is not None:
+                    record = migration_record_decoder.decode(raw)
+                    record.stall_ms = stall_ms
+                    await self._redis.set(key, json_encoder.encode(record), keepttl=True)
+                    return
+            except RedisError as exc:
+                logger.warning("could not record the stall of migration %s: %s", migration_id, exc)
+                return
+            await asyncio.sleep(0.05)
+
+    def history(self, limit: int) -> list[pb.MigrationResult]:
+        return list(self._history)[: limit or None]
+
+    async def aclose(self) -> None:
+        for handle in self._reserved.values():
+            handle.expiry.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        for sock in self._peer_push.values():
+            sock.close(linger=0)
+        self._agent.close()
+        self._ctx.destroy(linger=0)
+
+
+class _GoneError(Exception):
+    """The request finished or was aborted while it was being moved."""
+
+
+class EngineControlServicer(pb_grpc.EngineControlServicer):
+    def __init__(self, manager: MigrationManager) -> None:
+        self._manager = manager
+
+    async def Migrate(  # noqa: N802 (gRPC method name)
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrationResult:
+        return await self._manager.migrate(request.request_id, request.target_engine_id, request.reason)
+
+    async def Drain(  # noqa: N802 (gRPC method name)
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResult:
+        return await self._manager.drain(request.deadline_s or 30.0)
+
+    async def ListMigrations(  # noqa: N802 (gRPC method name)
+        self, request: pb.ListMigrationsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListMigrationsResult:
+        return pb.ListMigrationsResult(migrations=self._manager.history(request.limit))
+
+    async def PrepareMigration(  # noqa: N802 (gRPC method name)
+        self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrepareReply:
+        return await self._manager.prepare(request)
+
+    async def CommitMigration(  # noqa: N802 (gRPC method name)
+        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitReply:
+        return await self._manager.commit(request)
+
+    async def CancelMigration(  # noqa: N802 (gRPC method name)
+        self, request: pb.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelReply:
+        return await self._manager.cancel(request)
