@@ -94,6 +94,10 @@ format: setup ## Format the code with ruff
 bench: setup models ## Fleet vs vLLM's own OpenAI server, same load; writes docs/benchmarks.md
 	$(PY) bench/serving.py $(BENCH_ARGS)
 
+.PHONY: bench-migration
+bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
+	$(PY) bench/migration.py $(BENCH_ARGS)
+
 .PHONY: clean
 clean: ## Remove the run folder and caches (keeps the virtualenv and models)
 	rm -rf .cache/run .pytest_cache .ruff_cache

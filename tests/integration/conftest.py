@@ -2,7 +2,9 @@
 
 * ``tiny_fleet``: two engines of the tiny random Llama (fast; its text is noise, its greedy
   token ids are deterministic).
-* ``smol_fleet``: one engine of SmolLM2-135M-Instruct, for answers whose text matters.
+* ``smol_fleet``: two engines of SmolLM2-135M-Instruct, for answers whose text matters.
+
+Engines of both load Shoal's KV connector, so requests can move between them.
 
 Both fleets and the offline vLLM reference run start together at the beginning of the session,
 so their model loads overlap. Every wait has a deadline.
@@ -79,6 +81,7 @@ def _config(name: str, model_dir: str, served: str, run_dir: Path, engines: int,
         restart=False,
         heartbeat_ttl_s=3.0,
         drain_timeout_s=5.0,
+        migration_step_timeout_s=3.0,
     )
 
 
@@ -90,7 +93,7 @@ def _fleets(
     run_dir = tmp_path_factory.mktemp("fleets")
     configs = {
         "tiny": _config("tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0),
-        "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=1, offset=1),
+        "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=2, offset=1),
     }
     fleets = {
         name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()

@@ -9,11 +9,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import httpx
+import openai
 import redis
+import zmq
 
 from shoal_fleet.launcher import Fleet, FleetConfig
-from shoal_protos.records import EngineRecord, Keys, LoadReport, engine_record_decoder, load_report_decoder
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos import kv
+from shoal_protos.records import (
+    EngineRecord,
+    Keys,
+    LoadReport,
+    MigrationRecord,
+    engine_record_decoder,
+    load_report_decoder,
+    migration_record_decoder,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / ".cache" / "models"
@@ -66,6 +80,39 @@ class RunningFleet:
         record = self.engine_record(engine_id)
         assert record is not None, f"{engine_id} is not registered"
         return httpx.get(record.http_address + "/metrics", timeout=5).text
+
+    def control(self, engine_id: str) -> pb_grpc.EngineControlStub:
+        """The engine's gRPC EngineControl (migrate, drain, list migrations)."""
+        record = self.engine_record(engine_id)
+        assert record is not None and record.control_address, f"{engine_id} takes no migrations"
+        return pb_grpc.EngineControlStub(grpc.insecure_channel(record.control_address))
+
+    def migrate(self, request_id: str, source: str, target: str = "") -> pb.MigrationResult:
+        request = pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin")
+        result: pb.MigrationResult = self.control(source).Migrate(request, timeout=60)
+        return result
+
+    def agent(self, engine_id: str, command: kv.AgentCommand) -> kv.AgentReply:
+        """One call to an engine's KV agent (its control socket, next to its KV port)."""
+        index = int(engine_id.rsplit("-", 1)[1])
+        address = f"tcp://{self.cfg.host}:{self.cfg.engine_kv_base_port + 2 * index + 1}"
+        with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(kv.encoder.encode(command))
+            assert sock.poll(10_000), f"{engine_id}'s KV agent did not answer"
+            return kv.agent_reply_decoder.decode(sock.recv())
+
+    def kv_data_address(self, engine_id: str) -> str:
+        index = int(engine_id.rsplit("-", 1)[1])
+        return f"tcp://{self.cfg.host}:{self.cfg.engine_kv_base_port + 2 * index}"
+
+    def migration_record(self, migration_id: str) -> MigrationRecord | None:
+        raw = self.redis.get(self.keys.migration(migration_id))
+        return migration_record_decoder.decode(raw) if raw else None
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def dispatched(fleet: RunningFleet) -> dict[str, float]:

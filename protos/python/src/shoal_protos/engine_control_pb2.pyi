@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECOPY: _ClassVar[Mode]
+    STOP_AND_COPY: _ClassVar[Mode]
+    RECOMPUTE: _ClassVar[Mode]
+
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
@@ -14,6 +20,9 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSED: _ClassVar[Outcome]
     FAILED: _ClassVar[Outcome]
     GONE: _ClassVar[Outcome]
+PRECOPY: Mode
+STOP_AND_COPY: Mode
+RECOMPUTE: Mode
 OUTCOME_UNSPECIFIED: Outcome
 MIGRATED: Outcome
 REFUSED: Outcome
@@ -21,14 +30,16 @@ FAILED: Outcome
 GONE: Outcome
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("request_id", "target_engine_id", "reason")
+    __slots__ = ("request_id", "target_engine_id", "reason", "mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TARGET_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     target_engine_id: str
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    mode: Mode
+    def __init__(self, request_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
     __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms")

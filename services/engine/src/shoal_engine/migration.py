@@ -106,13 +106,17 @@ class AgentClient:
                 self._sock.setsockopt(zmq.LINGER, 0)
                 self._sock.connect(self._address)
             sock = self._sock
-            await sock.send(kv.encoder.encode(command))
-            if not await sock.poll(self._timeout_s * 1000):
-                # A REQ socket with a lost reply is stuck: start over with a new one.
+            try:
+                await sock.send(kv.encoder.encode(command))
+                if not await sock.poll(self._timeout_s * 1000):
+                    raise MigrationError(f"KV agent did not answer within {self._timeout_s} s")
+                reply = kv.agent_reply_decoder.decode(await sock.recv())
+            except BaseException:
+                # A REQ socket whose reply was not read (timeout, cancellation) is stuck in
+                # its send-receive cycle: start over with a new one.
                 sock.close(linger=0)
                 self._sock = None
-                raise MigrationError(f"KV agent did not answer within {self._timeout_s} s")
-            reply = kv.agent_reply_decoder.decode(await sock.recv())
+                raise
         if isinstance(reply, kv.AgentError):
             raise MigrationError(f"KV agent: {reply.message}")
         return reply
@@ -164,7 +168,9 @@ class MigrationManager:
 
     # ---- source side --------------------------------------------------------------------------
 
-    async def migrate(self, request_id: str, target_engine_id: str, reason: str) -> pb.MigrationResult:
+    async def migrate(
+        self, request_id: str, target_engine_id: str, reason: str, mode: int = pb.PRECOPY
+    ) -> pb.MigrationResult:
         started = time.perf_counter()
         result = pb.MigrationResult(
             migration_id=uuid.uuid4().hex[:16],
@@ -173,11 +179,15 @@ class MigrationManager:
             target_engine_id=target_engine_id,
             reason=reason or "admin",
         )
-        if self._service.tokens_of(request_id) is None or request_id in self._moving:
-            return self._finish(result, pb.GONE, "the request is not running here", started)
+        if request_id in self._moving:
+            return self._finish(result, pb.GONE, "the request is already moving", started)
+        if self._service.tokens_of(request_id) is None:
+            moved = self._service.moved_to(request_id)
+            where = f" (it moved to {moved})" if moved else ""
+            return self._finish(result, pb.GONE, f"the request is not running here{where}", started)
         self._moving.add(request_id)
         try:
-            await self._migrate(result, started)
+            await self._migrate(result, started, mode)
         except (MigrationError, grpc.aio.AioRpcError, TimeoutError, RedisError, OSError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             return self._finish(result, pb.FAILED, detail or type(exc).__name__, started)
@@ -185,7 +195,7 @@ class MigrationManager:
             self._moving.discard(request_id)
         return result
 
-    async def _migrate(self, result: pb.MigrationResult, started: float) -> None:
+    async def _migrate(self, result: pb.MigrationResult, started: float, mode: int) -> None:
         config = self._config
         request_id = result.request_id
         target = await self._pick_target(result.target_engine_id)
@@ -216,7 +226,7 @@ class MigrationManager:
         stopped: StoppedRequest | None = None
         try:
             next_block = 0
-            while True:
+            while mode == pb.PRECOPY:
                 sent = await self._agent.call(
                     kv.SendBlocks(
                         request_id=request_id,
@@ -248,15 +258,17 @@ class MigrationManager:
                 stopped = await self._service.stop_for_migration(request_id)
                 if stopped is None:
                     raise _GoneError
-                sent = await self._agent.call(
-                    kv.SendBlocks(
-                        request_id=request_id,
-                        migration_id=result.migration_id,
-                        target=prepared.kv_address,
-                        first_block=next_block,
-                        partial=True,
+                sent = kv.SentBlocks(next_block=0, blocks=0, bytes=0, seconds=0.0, tokens_written=0)
+                if mode != pb.RECOMPUTE:
+                    sent = await self._agent.call(
+                        kv.SendBlocks(
+                            request_id=request_id,
+                            migration_id=result.migration_id,
+                            target=prepared.kv_address,
+                            first_block=next_block,
+                            partial=True,
+                        )
                     )
-                )
             finally:
                 await self._agent.call(kv.Release(request_id=request_id))
             assert isinstance(sent, kv.SentBlocks)
@@ -588,7 +600,9 @@ class EngineControlServicer(pb_grpc.EngineControlServicer):
     async def Migrate(  # noqa: N802 (gRPC method name)
         self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
     ) -> pb.MigrationResult:
-        return await self._manager.migrate(request.request_id, request.target_engine_id, request.reason)
+        return await self._manager.migrate(
+            request.request_id, request.target_engine_id, request.reason, request.mode
+        )
 
     async def Drain(  # noqa: N802 (gRPC method name)
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext

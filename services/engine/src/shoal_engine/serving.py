@@ -124,6 +124,10 @@ class EngineService:
             return None
         return len(running.add.prompt_token_ids) + len(running.output_ids)
 
+    def moved_to(self, request_id: str) -> str | None:
+        """The engine a request that left this one went to, if it is remembered."""
+        return self._moved.get(request_id)
+
     def max_tokens_of(self, request_id: str) -> int | None:
         running = self._running.get(request_id)
         if running is None:
@@ -247,7 +251,8 @@ class EngineService:
                 final = self._final_piece(running, task)
                 self._emit(add.reply_to, final)
             self._metrics.finished(str(final.finish_reason))
-        del self._running[add.request_id]
+        if self._running.get(add.request_id) is running:  # not a successor started since
+            del self._running[add.request_id]
         if not self._running:
             self._idle.set()
 

@@ -69,6 +69,8 @@ class FleetConfig:
     """Engine i's KV agent takes this port + 2i (data) and + 2i + 1 (control)."""
     migration: bool = True
     """Engines load the KV connector and can move running requests to each other."""
+    migration_step_timeout_s: float = 10.0
+    """Deadline of each migration step (prepare, a KV stage, commit)."""
     kv_block_size: int = 32
     """KV block size in tokens when migration is on (the CPU build's smallest): the tail a
     migrated request recomputes on its target is shorter than a block or two."""
@@ -238,6 +240,8 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 str(cfg.engine_kv_base_port + 2 * i),
                 "--block-size",
                 str(cfg.kv_block_size),
+                "--migration-step-timeout",
+                str(cfg.migration_step_timeout_s),
             ]
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]

@@ -81,6 +81,7 @@ class KvAgent:
         transport: str = "tcp",
         chunk_bytes: int = 8 << 20,
         staging_ttl_s: float = 60.0,
+        timeout_s: float = 10.0,
     ) -> None:
         self.block_size = block_size
         self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
@@ -101,9 +102,11 @@ class KvAgent:
         # held blocks may be freed now.
         self._holds: dict[str, float] = {}
         self._released: set[str] = set()
+        # Staging areas freed on purpose: chunks still in flight for them are dropped.
+        self._freed: dict[str, None] = {}
         self._ctx = zmq.Context(io_threads=1)
         self._transport: KvTransport = make_transport(
-            transport, self._ctx, self._chunk_blocks * self.bytes_per_block
+            transport, self._ctx, self._chunk_blocks * self.bytes_per_block, timeout_s
         )
         self._stop = threading.Event()
         self._control = self._ctx.socket(zmq.REP)
@@ -248,6 +251,9 @@ class KvAgent:
         if isinstance(command, kv.FreeStaging):
             with self._lock:
                 self._staging.pop(command.migration_id, None)
+                self._freed[command.migration_id] = None
+                if len(self._freed) > 4096:
+                    del self._freed[next(iter(self._freed))]
             return None
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
@@ -296,7 +302,11 @@ class KvAgent:
                     self._stopped.wait(deadline - time.monotonic())
                     table = self._tables.get(command.request_id)
             if table is None:
-                return kv.AgentError(message=f"request {command.request_id} is not running here")
+                # Not scheduled yet (it just arrived, or waits in vLLM's queue): no KV to send;
+                # the target computes it all.
+                return kv.SentBlocks(
+                    next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=0
+                )
             written = table.tokens_written
             if command.partial and not table.stopped:
                 return kv.AgentError(
@@ -362,6 +372,10 @@ class KvAgent:
             self.num_layers, header.num_blocks, self.bytes_per_layer_block
         )
         with self._lock:
+            if header.migration_id in self._freed:
+                return kv.StageAck(
+                    migration_id=header.migration_id, staged_blocks=0, error="migration cancelled"
+                )
             staged = self._staging.setdefault(header.migration_id, _Staged(time.monotonic()))
             staged.chunks[header.first_block] = (header.num_blocks, data)
             staged.nbytes += expected

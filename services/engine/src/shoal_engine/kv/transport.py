@@ -120,9 +120,11 @@ class TcpTransport:
             self._drop(target)
 
 
-def make_transport(name: str, ctx: zmq.Context[zmq.Socket[bytes]], chunk_bytes: int) -> KvTransport:
+def make_transport(
+    name: str, ctx: zmq.Context[zmq.Socket[bytes]], chunk_bytes: int, timeout_s: float
+) -> KvTransport:
     if name == "tcp":
-        return TcpTransport(ctx, chunk_bytes)
+        return TcpTransport(ctx, chunk_bytes, timeout_s)
     if name in ("gloo", "nccl"):
         raise ValueError(f"KV transport {name!r} is not available in this build; use 'tcp'")
     raise ValueError(f"unknown KV transport {name!r} (tcp, gloo, nccl)")

@@ -1,0 +1,350 @@
+"""Live migration between real vLLM engines: streams that move keep every token, exactly once.
+
+Each test streams through the ``openai`` client (token ids ride along with
+``return_token_ids``), moves the request between engines with the EngineControl gRPC API while
+it decodes, and compares the tokens and text with the same greedy request never moved.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import kv
+from tests.integration.support import RunningFleet, wait_until
+
+pytestmark = pytest.mark.integration
+
+ENGINES = ("engine-0", "engine-1")
+# Output tokens of a test stream: long enough to still be decoding while a test moves it.
+# (The tiny random model decodes a whole 2,048-token sequence in well under a second here,
+# faster than a client reliably moves it, so these tests use SmolLM2.)
+LONG = 200
+# A tiny-model stream among 16 runs for seconds: long enough to drain while they decode.
+TINY_LONG = 1900
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_machine(reference_token_ids: list[list[int]]) -> None:
+    """Start after the offline reference run: these tests need the client to keep up with
+    the engines well enough to move a request before it finishes."""
+
+
+def _other(engine_id: str) -> str:
+    return ENGINES[1] if engine_id == ENGINES[0] else ENGINES[0]
+
+
+@dataclass
+class Streamed:
+    request_id: str = ""
+    first_engine: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    chunks: int = 0
+    finish_reason: str | None = None
+    moves: list[pb.MigrationResult] = field(default_factory=list)
+
+
+def _body(prompt: list[int] | str, max_tokens: int) -> dict[str, object]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def unmoved(fleet: RunningFleet, prompt: list[int] | str, max_tokens: int) -> tuple[list[int], str]:
+    reply = fleet.openai().completions.create(
+        model=fleet.model,
+        **_body(prompt, max_tokens),  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = reply.choices[0]
+    return list(choice.model_extra["token_ids"]), choice.text  # type: ignore[index]
+
+
+def stream(
+    fleet: RunningFleet,
+    prompt: list[int] | str,
+    max_tokens: int,
+    on_tokens: Callable[[Streamed], None] = lambda _: None,
+) -> Streamed:
+    """Stream a greedy completion; ``on_tokens`` runs after every chunk (and may move it)."""
+    out = Streamed()
+    response = fleet.openai().completions.create(
+        model=fleet.model,
+        **_body(prompt, max_tokens),  # type: ignore[arg-type]
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    out.request_id = response.response.headers["x-shoal-request-id"]
+    out.first_engine = response.response.headers["x-shoal-engine"]
+    with response:  # a hook that raises closes the connection: the client is gone
+        for chunk in response:
+            choice = chunk.choices[0]
+            out.token_ids.extend(choice.model_extra["token_ids"])  # type: ignore[index]
+            out.text += choice.text
+            out.chunks += 1
+            if choice.finish_reason:
+                out.finish_reason = choice.finish_reason
+            on_tokens(out)
+    return out
+
+
+class Mover:
+    """Moves a streaming request to the other engine at each of its first ``times`` chunks (the
+    engine runs ahead of a client that parses every chunk, so the request must be long enough
+    to still be decoding: tests ask for most of the model's length)."""
+
+    def __init__(self, fleet: RunningFleet, times: int, every: int = 1) -> None:
+        self.fleet, self.times, self.every = fleet, times, every
+        self.results: list[pb.MigrationResult] = []
+
+    def __call__(self, out: Streamed) -> None:
+        if len(self.results) < self.times and out.chunks % self.every == 0:
+            owner = self.results[-1].target_engine_id if self.results else out.first_engine
+            result = self.fleet.migrate(out.request_id, owner, _other(owner))
+            assert result.outcome == pb.MIGRATED, result
+            self.results.append(result)
+
+    def join(self) -> list[pb.MigrationResult]:
+        assert len(self.results) == self.times, self.results
+        return self.results
+
+
+@pytest.mark.parametrize("times", [1, 2, 5])
+def test_stream_moved_matches_unmoved(smol_fleet: RunningFleet, times: int) -> None:
+    prompt = f"Write a short story about a lighthouse keeper who finds {times} messages in a bottle."
+    ref_ids, ref_text = unmoved(smol_fleet, prompt, LONG)
+    mover = Mover(smol_fleet, times, every=4)
+    got = stream(smol_fleet, prompt, LONG, mover)
+    got.moves = mover.join()
+    # No gap and no duplicate: the same tokens and text as the request that never moved.
+    assert got.token_ids == ref_ids
+    assert got.text == ref_text
+    assert got.finish_reason == "length"
+    assert len(ref_text) > 200
+    for move in got.moves:
+        # Every token's KV but the last sampled one's went over; the target recomputed nothing else.
+        assert move.kv_tokens >= move.total_tokens - 1 > 0
+        assert move.bytes > 0 and move.stages >= 1
+
+
+def test_staged_and_injected_kv_equal_the_source_bytes(smol_fleet: RunningFleet) -> None:
+    staged: dict[str, kv.AgentReply] = {}
+
+    def copy_then_move(out: Streamed) -> None:
+        if staged or len(out.token_ids) < 70:
+            return
+        source, target = out.first_engine, _other(out.first_engine)
+        # A pre-copy stage by hand: the source's full blocks into a staging area on the target.
+        sent = smol_fleet.agent(
+            source,
+            kv.SendBlocks(
+                request_id=out.request_id,
+                migration_id="bytes-check",
+                target=smol_fleet.kv_data_address(target),
+                first_block=0,
+            ),
+        )
+        assert isinstance(sent, kv.SentBlocks) and sent.blocks >= 2, sent
+        staged["source"] = smol_fleet.agent(
+            source, kv.ReadBlocks(request_id=out.request_id, first_block=0, num_blocks=sent.blocks)
+        )
+        staged["staged"] = smol_fleet.agent(target, kv.ReadStaged(migration_id="bytes-check"))
+        assert smol_fleet.agent(target, kv.FreeStaging(migration_id="bytes-check")) is None
+        result = smol_fleet.migrate(out.request_id, source, target)
+        assert result.outcome == pb.MIGRATED, result
+        out.moves.append(result)
+        read = kv.ReadBlocks(request_id=out.request_id, first_block=0, num_blocks=sent.blocks)
+
+        def injected() -> bool:
+            # The target knows the request's blocks once its first step there ran.
+            staged["injected"] = smol_fleet.agent(target, read)
+            return isinstance(staged["injected"], kv.BlockBytes)
+
+        wait_until(injected, 10.0, f"{target} to hold the request's blocks")
+
+    got = stream(smol_fleet, [901, 902, 903, 904, 905], LONG, copy_then_move)
+    source, copy, injected = staged["source"], staged["staged"], staged["injected"]
+    assert isinstance(source, kv.BlockBytes) and isinstance(copy, kv.BlockBytes)
+    assert isinstance(injected, kv.BlockBytes), injected
+    assert len(source.data) > 0
+    # The transport moved the bytes unchanged, and the target's blocks hold exactly them.
+    assert copy.data == source.data
+    assert injected.data == source.data
+    assert got.finish_reason == "length" and len(got.token_ids) == LONG
+
+
+def test_target_without_room_refuses_and_the_request_stays(smol_fleet: RunningFleet) -> None:
+    prompt = [401, 402, 403, 404]
+    ref_ids, _ = unmoved(smol_fleet, prompt, LONG)
+    outcomes: list[pb.MigrationResult] = []
+
+    def fill_then_move(out: Streamed) -> None:
+        if outcomes:
+            return
+        source, target = out.first_engine, _other(out.first_engine)
+        status = smol_fleet.agent(target, kv.AgentStatus())
+        assert isinstance(status, kv.Status)
+        report = smol_fleet.load_report(target)
+        assert report is not None
+        # Another migration reserves every free block of the target first.
+        hog = smol_fleet.control(target).PrepareMigration(
+            pb.PrepareRequest(
+                migration_id="room-hog",
+                request_id="hog",
+                source_engine_id=source,
+                num_blocks=report.kv_blocks_free - 2,
+                max_blocks=report.kv_blocks_free - 2,
+                bytes_per_block=status.bytes_per_block,
+            ),
+            timeout=10,
+        )
+        assert hog.accepted, hog.detail
+        try:
+            outcomes.append(smol_fleet.migrate(out.request_id, source, target))
+        finally:
+            smol_fleet.control(target).CancelMigration(pb.CancelRequest(migration_id="room-hog"), timeout=10)
+
+    got = stream(smol_fleet, prompt, LONG, fill_then_move)
+    assert outcomes[0].outcome == pb.REFUSED
+    assert "no room" in outcomes[0].detail
+    assert got.token_ids == ref_ids
+
+
+def _worker_of(fleet: RunningFleet, engine_id: str) -> psutil.Process:
+    record = fleet.engine_record(engine_id)
+    assert record is not None
+    workers = [p for p in psutil.Process(record.pid).children(recursive=True) if "Worker" in p.name()]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def test_target_frozen_during_precopy_leaves_the_request_running(smol_fleet: RunningFleet) -> None:
+    prompt = [501, 502, 503, 504, 505, 506]
+    ref_ids, _ = unmoved(smol_fleet, prompt, 2 * LONG)
+    outcomes: list[pb.MigrationResult] = []
+    frozen: list[tuple[str, psutil.Process]] = []
+
+    def freeze_then_move(out: Streamed) -> None:
+        if outcomes:
+            return
+        source, target = out.first_engine, _other(out.first_engine)
+        worker = _worker_of(smol_fleet, target)
+        worker.suspend()  # the target's KV agent (and model) stop answering
+        frozen.append((target, worker))
+        try:
+            outcomes.append(smol_fleet.migrate(out.request_id, source, target))
+        finally:
+            worker.resume()
+
+    got = stream(smol_fleet, prompt, 2 * LONG, freeze_then_move)
+    assert outcomes[0].outcome == pb.FAILED, outcomes[0]
+    assert got.token_ids == ref_ids
+    target = frozen[0][0]
+
+    def staging_freed() -> bool:
+        status = smol_fleet.agent(target, kv.AgentStatus())
+        return isinstance(status, kv.Status) and status.staged_bytes == 0 and not status.staging_areas
+
+    wait_until(staging_freed, 20.0, f"{target} to free the abandoned staging area")
+
+
+def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> None:
+    def aborted(engine_id: str) -> float:
+        text = smol_fleet.engine_metrics(engine_id)
+        match = re.search(r'shoal_engine_requests_total\{[^}]*finish_reason="abort"[^}]*\} ([0-9.e+]+)', text)
+        return float(match.group(1)) if match else 0.0
+
+    class ClientLeftError(Exception):
+        pass
+
+    moved: list[pb.MigrationResult] = []
+    before: dict[str, float] = {}
+
+    def move_then_leave(out: Streamed) -> None:
+        if not moved:
+            before.update({e: aborted(e) for e in ENGINES})
+            moved.append(smol_fleet.migrate(out.request_id, out.first_engine, _other(out.first_engine)))
+        elif out.chunks >= 10:
+            raise ClientLeftError
+
+    with pytest.raises(ClientLeftError):
+        stream(smol_fleet, [601, 602, 603], 2 * LONG, move_then_leave)
+    assert moved[0].outcome == pb.MIGRATED
+    owner = moved[0].target_engine_id
+    wait_until(lambda: aborted(owner) > before[owner], 10.0, f"{owner} to abort the abandoned request")
+
+
+def test_migration_is_recorded_in_redis_and_metrics(smol_fleet: RunningFleet) -> None:
+    mover = Mover(smol_fleet, 1)
+    got = stream(smol_fleet, [701, 702, 703, 704], LONG, mover)
+    move = mover.join()[0]
+    record = smol_fleet.migration_record(move.migration_id)
+    assert record is not None
+    assert (record.outcome, record.source, record.target) == (
+        "MIGRATED",
+        move.source_engine_id,
+        move.target_engine_id,
+    )
+    assert record.bytes == move.bytes > 0 and record.stages == move.stages
+    recent = [m.decode() for m in smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 20)]
+    assert move.migration_id in recent
+    # The target adds the gap its client saw once its first token is out.
+    wait_until(
+        lambda: (r := smol_fleet.migration_record(move.migration_id)) is not None and r.stall_ms is not None,
+        5.0,
+        "the target to record the stall",
+    )
+    raw_owner = smol_fleet.redis.get(smol_fleet.keys.owner(got.request_id))
+    assert raw_owner is not None and move.target_engine_id.encode() in raw_owner
+    source_metrics = smol_fleet.engine_metrics(move.source_engine_id)
+    assert re.search(
+        r'shoal_engine_migrations_total\{[^}]*outcome="MIGRATED"[^}]*role="source"', source_metrics
+    )
+    assert re.search(r"shoal_engine_migration_bytes_count\{[^}]*\} [1-9]", source_metrics)
+    target_metrics = smol_fleet.engine_metrics(move.target_engine_id)
+    assert re.search(r"shoal_engine_migration_stall_seconds_count\{[^}]*\} [1-9]", target_metrics)
+    listed = smol_fleet.control(move.source_engine_id).ListMigrations(
+        pb.ListMigrationsRequest(limit=50), timeout=10
+    )
+    assert move.migration_id in {m.migration_id for m in listed.migrations}
+
+
+def test_drain_moves_16_streams_off_an_engine(tiny_fleet: RunningFleet) -> None:
+    prompts = [[800 + i, 801 + i, 802 + i] for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        refs = [ids for ids, _ in pool.map(lambda p: unmoved(tiny_fleet, p, TINY_LONG), prompts)]
+    results: list[Streamed | BaseException | None] = [None] * 16
+
+    def run(i: int) -> None:
+        try:
+            results[i] = stream(tiny_fleet, prompts[i], TINY_LONG)
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    def running(engine_id: str) -> int:
+        report = tiny_fleet.load_report(engine_id)
+        return report.num_running + report.num_waiting if report else 0
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    # The tiny model decodes fast and the client starts streams one by one: drain once at least
+    # half of them run, which leaves the busier engine several to move.
+    wait_until(lambda: sum(running(e) for e in ENGINES) >= 8, 30.0, "the streams to run")
+    busiest = max(ENGINES, key=running)
+    drained = tiny_fleet.control(busiest).Drain(pb.DrainRequest(deadline_s=30), timeout=60)
+    assert drained.failed == 0, drained
+    assert drained.remaining == 0, drained
+    assert drained.migrated >= 1, drained
+    wait_until(lambda: running(busiest) == 0, 5.0, f"{busiest} to report no requests")
+    for thread in threads:
+        thread.join(120)
+    for i, result in enumerate(results):
+        assert isinstance(result, Streamed), (i, result)
+        assert result.token_ids == refs[i], i
