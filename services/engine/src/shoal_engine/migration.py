@@ -235,10 +235,7 @@ class MigrationManager:
                         first_block=next_block,
                     )
                 )
-                assert isinstance(sent, kv.SentBlocks)
-                result.stages += 1
-                result.bytes += sent.bytes
-                result.blocks += sent.blocks
+                _count_stage(result, sent)
                 next_block = sent.next_block
                 now = self._service.tokens_of(request_id)
                 if now is None:
@@ -271,10 +268,7 @@ class MigrationManager:
                     )
             finally:
                 await self._agent.call(kv.Release(request_id=request_id))
-            assert isinstance(sent, kv.SentBlocks)
-            result.stages += 1
-            result.bytes += sent.bytes
-            result.blocks += sent.blocks
+            _count_stage(result, sent)
             written = sent.tokens_written
             add = msgspec.structs.replace(
                 stopped.add, output_token_ids=stopped.output_ids, generation=stopped.add.generation + 1
@@ -587,6 +581,13 @@ class MigrationManager:
             sock.close(linger=0)
         self._agent.close()
         self._ctx.destroy(linger=0)
+
+
+def _count_stage(result: pb.MigrationResult, sent: kv.AgentReply) -> None:
+    assert isinstance(sent, kv.SentBlocks), sent
+    result.stages += 1
+    result.bytes += sent.bytes
+    result.blocks += sent.blocks
 
 
 class _GoneError(Exception):

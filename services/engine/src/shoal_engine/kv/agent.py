@@ -258,11 +258,11 @@ class KvAgent:
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
                 table = self._tables.get(command.request_id)
-                ids = (
-                    list(table.block_ids[command.first_block : command.first_block + command.num_blocks])
-                    if table
-                    else []
-                )
+                # Only blocks whose KV a finished step wrote (or loaded): a table is known a
+                # moment before its first step injects and computes.
+                written = -(-table.tokens_written // self.block_size) if table else 0
+                last = min(command.first_block + command.num_blocks, written)
+                ids = list(table.block_ids[command.first_block : last]) if table else []
             if len(ids) < command.num_blocks:
                 return kv.AgentError(message=f"request {command.request_id} has no blocks there")
             data = torch.stack([t.index_select(0, torch.tensor(ids)) for t in self._layers]).permute(1, 0, 2)

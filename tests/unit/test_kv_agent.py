@@ -1,0 +1,156 @@
+"""The KV agent and the router's ownership rule, without vLLM.
+
+Two real ``KvAgent`` objects (their own threads and ZeroMQ sockets over ``ipc://`` in a temporary
+folder) hold small synthetic KV caches, the way vLLM's worker hands them over; the tests drive
+them through the control socket exactly as the engine service does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_protos import kv
+from shoal_protos.messages import RequestPiece
+from shoal_router.core.outputs import RequestOutputCollector
+from shoal_router.ipc.engines import _owned, _Tracked
+
+BLOCK = 4
+LAYERS = 3
+BLOCKS = 16
+WIDTH = 8  # bf16 values per block per layer
+
+
+def _kv(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        f"layer.{i}": torch.randn(BLOCKS, WIDTH, generator=generator).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
+
+
+class Pair:
+    def __init__(self, folder: Path) -> None:
+        self.source_kv, self.target_kv = _kv(1), _kv(2)
+        self.addresses = {name: f"ipc://{folder}/{name}" for name in ("sc", "sd", "tc", "td")}
+        self.source = KvAgent(
+            self.source_kv, BLOCKS, BLOCK, self.addresses["sc"], self.addresses["sd"], timeout_s=5
+        )
+        self.target = KvAgent(
+            self.target_kv, BLOCKS, BLOCK, self.addresses["tc"], self.addresses["td"], timeout_s=5
+        )
+        self._ctx = zmq.Context()
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+
+    def call(self, side: str, command: kv.AgentCommand) -> kv.AgentReply:
+        sock = self._socks.get(side)
+        if sock is None:
+            sock = self._socks[side] = self._ctx.socket(zmq.REQ)
+            sock.connect(self.addresses["sc" if side == "source" else "tc"])
+        sock.send(kv.encoder.encode(command))
+        assert sock.poll(5000), "agent did not answer"
+        return kv.agent_reply_decoder.decode(sock.recv())
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._ctx.term()
+        self.source.close()
+        self.target.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    agents = Pair(tmp_path)
+    yield agents
+    agents.close()
+
+
+def _run(agent: KvAgent, request_id: str, block_ids: list[int], tokens: int) -> None:
+    """What the connector does for a request vLLM scheduled: its table, then the step done."""
+    update = TableUpdate(request_id, request_id + "-vllm", block_ids, True, tokens)
+    agent.update_tables([update], [])
+    agent.step_done([update])
+
+
+def test_full_blocks_go_over_unchanged_and_are_injected(pair: Pair) -> None:
+    _run(pair.source, "r", [5, 9, 2, 7], tokens=3 * BLOCK + 1)  # three full blocks, one partial
+    sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
+    assert isinstance(sent, kv.SentBlocks)
+    # Only full blocks while the request runs: the partial one still changes.
+    assert (sent.next_block, sent.blocks, sent.tokens_written) == (3, 3, 3 * BLOCK + 1)
+    source = pair.call("source", kv.ReadBlocks("r", 0, 3))
+    staged = pair.call("target", kv.ReadStaged("m"))
+    assert isinstance(source, kv.BlockBytes) and isinstance(staged, kv.BlockBytes)
+    assert staged.data == source.data and len(source.data) == 3 * LAYERS * WIDTH * 2
+    # The target's request got blocks 11, 12, 13 from vLLM: the staged bytes land there.
+    assert pair.target.inject(Load("r", "m", 0, [11, 12, 13])) == 3
+    for name in pair.source_kv:
+        assert torch.equal(pair.target_kv[name][[11, 12, 13]], pair.source_kv[name][[5, 9, 2]])
+    assert pair.target.take_load_errors() == set()
+
+
+def test_blocks_never_staged_are_load_errors(pair: Pair) -> None:
+    assert pair.target.inject(Load("r", "nothing-staged", 0, [3, 4])) == 0
+    assert pair.target.take_load_errors() == {3, 4}
+
+
+def test_partial_block_goes_only_once_the_held_request_stopped(pair: Pair) -> None:
+    _run(pair.source, "r", [1, 2], tokens=BLOCK + 2)
+    refused = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1, partial=True))
+    assert isinstance(refused, kv.AgentError)
+    assert pair.call("source", kv.Hold("r")) is None
+    # vLLM finishes the (aborted) request but keeps its blocks: the agent keeps its table.
+    pair.source.update_tables([], ["r"])
+    assert pair.source.finished_sending(["r-vllm"]) == set()
+    sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1, partial=True))
+    assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (2, 1)
+    assert pair.call("source", kv.Release("r")) is None
+    # Released: vLLM may free the blocks now.
+    assert pair.source.finished_sending([]) == {"r-vllm"}
+
+
+def test_unheld_aborted_requests_free_their_blocks_at_once(pair: Pair) -> None:
+    _run(pair.source, "r", [1], tokens=2)
+    pair.source.update_tables([], ["r"])
+    assert pair.source.finished_sending(["r-vllm"]) == {"r-vllm"}
+
+
+def test_cancelled_migration_drops_late_chunks(pair: Pair) -> None:
+    _run(pair.source, "r", [1, 2], tokens=2 * BLOCK)
+    assert pair.call("target", kv.FreeStaging("m")) is None
+    sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
+    assert isinstance(sent, kv.AgentError) and "cancelled" in sent.message
+    status = pair.call("target", kv.AgentStatus())
+    assert isinstance(status, kv.Status) and status.staged_bytes == 0
+
+
+def test_request_not_scheduled_yet_has_nothing_to_send(pair: Pair) -> None:
+    sent = pair.call("source", kv.SendBlocks("unknown", "m", pair.addresses["td"], 0))
+    assert isinstance(sent, kv.SentBlocks) and sent.blocks == 0 and sent.tokens_written == 0
+
+
+def _piece(generation: int, owner: str = "") -> RequestPiece:
+    return RequestPiece("r", 0, token_ids=[1], generation=generation, owner=owner)
+
+
+def test_router_follows_a_move_and_takes_late_tokens_from_the_old_owner() -> None:
+    tracked = _Tracked(RequestOutputCollector("r"), "a")
+    assert _owned(tracked, "a", _piece(0))
+    assert not _owned(tracked, "b", _piece(0))  # b does not own it
+    # b's first piece after the move says generation 1: the request is b's now.
+    assert _owned(tracked, "b", _piece(1))
+    assert (tracked.engine_id, tracked.generation, tracked.previous) == ("b", 1, "a")
+    # Tokens a produced before the move may still arrive; they are kept (ordered by index).
+    assert _owned(tracked, "a", _piece(0))
+    # a's hand-over piece (generation 1, owner b) changes nothing.
+    assert not _owned(tracked, "a", _piece(1, owner="b"))
+    # After a second move, a piece two generations old is stale.
+    assert _owned(tracked, "a", _piece(2, owner="a"))
+    assert tracked.engine_id == "a"
+    assert not _owned(tracked, "c", _piece(0))
