@@ -4,7 +4,7 @@ Method
 ------
 **Bandwidth** (no model): two KV agents (``shoal_engine.kv.agent.KvAgent``, the code that runs in
 every vLLM worker) in this process, the source holding a synthetic bf16 KV cache in SmolLM2's
-layout (30 layers, 32-token blocks, 3 KV heads of 64: 368,640 bytes per block). One request's
+layout (30 layers, 32-token blocks, 3 KV heads of 64: 737,280 bytes per block). One request's
 blocks, 8 MB to 1 GB, go through the source agent's control socket (``SendBlocks``) into the
 target agent's staging area over loopback TCP, exactly as in a migration. Beside it, in the same
 run, raw loopback TCP: one ``sendall`` of the same number of bytes into a ``recv_into`` loop. Each
@@ -297,7 +297,7 @@ def section(
     ]
     if bw:
         lines += [
-            "**Bandwidth.** One request's KV (synthetic, SmolLM2's layout: 30 layers, 368,640 bytes per "
+            "**Bandwidth.** One request's KV (synthetic, SmolLM2's layout: 30 layers, 737,280 bytes per "
             "32-token block) from one KV agent into another's staging area over loopback, beside one raw "
             f"`sendall` of the same bytes, median of {args.repeats} runs each "
             "(target: >= 80 % of raw from 64 MB).",
