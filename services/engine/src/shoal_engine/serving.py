@@ -59,7 +59,9 @@ class _Running:
     final: RequestPiece | None = None
     # Set by stop_for_migration: the task ends without a final piece.
     migrating: bool = False
-    first_output_at: float = 0.0
+    # Wall-clock time of the latest output tokens (a migration's target measures its client's
+    # gap from the source's last one).
+    last_output_at: float = 0.0
 
     @property
     def produced(self) -> int:
@@ -194,7 +196,7 @@ class EngineService:
         if running.final is not None:
             # It finished in the same step; the final piece went out as usual.
             return None
-        return StoppedRequest(running.add, list(running.output_ids), running.first_output_at)
+        return StoppedRequest(running.add, list(running.output_ids), running.last_output_at)
 
     def hand_over(self, add: AddRequest, owner: str, generation: int) -> None:
         """Tell the router that ``owner`` serves the request from now on (generation
@@ -228,10 +230,11 @@ class EngineService:
                 stop_reason=out.stop_reason,
                 generation=add.generation,
             )
-            if not running.first_output_at and out.token_ids:
-                running.first_output_at = time.time()
-                if add.output_token_ids and self.on_first_output is not None:
-                    self.on_first_output(add, running.first_output_at)
+            if out.token_ids:
+                first_here = not running.last_output_at
+                running.last_output_at = time.time()
+                if first_here and add.output_token_ids and self.on_first_output is not None:
+                    self.on_first_output(add, running.last_output_at)
             running.output_ids.extend(out.token_ids)
             if out.finish_reason is not None:
                 piece.num_prompt_tokens = len(add.prompt_token_ids)
