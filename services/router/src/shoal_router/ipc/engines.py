@@ -197,10 +197,6 @@ class EngineClient:
                 if i and i % _CHUNK == 0:
                     await asyncio.sleep(0)
 
-    def owner_of(self, request_id: str) -> tuple[str, int] | None:
-        tracked = self._requests.get(request_id)
-        return (tracked.engine_id, tracked.generation) if tracked else None
-
     async def aclose(self) -> None:
         for task in self._monitors.values():
             task.cancel()
