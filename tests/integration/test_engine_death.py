@@ -12,6 +12,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.integration.support import RunningFleet, dispatched, wait_until
@@ -102,13 +103,26 @@ async def test_killed_engines_end_their_streams_and_leave_dispatch(tiny_fleet: R
     def kill_a_busy_engine() -> str:
         # A thread, so that the kill does not wait for the busy event loop.
         assert some_stream_has_tokens.wait(60), "no stream got tokens"
-        # The engine with the most requests running now (the tiny model decodes a whole stream
-        # in about a second, so the first stream's engine may be done with it already).
-        for engine_id, record in records.items():
-            health = httpx.get(record.http_address + "/health", timeout=5).json()
-            busy_at_kill[engine_id] = int(health.get("requests", 0))
-        victim = max(busy_at_kill, key=lambda e: busy_at_kill[e])
-        _kill_engine(records[victim].pid)
+        # The tiny model decodes a whole stream in about a second, so a request counted as
+        # running could finish between the count and the kill. Freeze vLLM's processes under both
+        # engines first: a request an engine still counts then cannot finish (short of its last
+        # step's output already being on its way), and the kill meets it running.
+        cores = {e: psutil.Process(r.pid).children(recursive=True) for e, r in records.items()}
+        for processes in cores.values():
+            for process in processes:
+                process.suspend()
+        victim = ""
+        try:
+            for engine_id, record in records.items():
+                health = httpx.get(record.http_address + "/health", timeout=5).json()
+                busy_at_kill[engine_id] = int(health.get("requests", 0))
+            victim = max(busy_at_kill, key=lambda e: busy_at_kill[e])
+            _kill_engine(records[victim].pid)
+        finally:
+            for engine_id, processes in cores.items():
+                if engine_id != victim:
+                    for process in processes:
+                        process.resume()
         return victim
 
     async with httpx.AsyncClient(timeout=120) as http:
