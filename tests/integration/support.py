@@ -104,8 +104,10 @@ class RunningFleet:
             return kv.agent_reply_decoder.decode(sock.recv())
 
     def kv_data_address(self, engine_id: str) -> str:
-        index = int(engine_id.rsplit("-", 1)[1])
-        return f"tcp://{self.cfg.host}:{self.cfg.engine_kv_base_port + 2 * index}"
+        """Where the engine's KV agent takes migrated blocks, as its Redis record says."""
+        record = self.engine_record(engine_id)
+        assert record is not None and record.kv_address, f"{engine_id} has no KV address"
+        return record.kv_address
 
     def migration_record(self, migration_id: str) -> MigrationRecord | None:
         raw = self.redis.get(self.keys.migration(migration_id))

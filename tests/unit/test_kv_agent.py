@@ -1,8 +1,9 @@
 """The KV agent and the router's ownership rule, without vLLM.
 
 Two real ``KvAgent`` objects (their own threads and ZeroMQ sockets over ``ipc://`` in a temporary
-folder) hold small synthetic KV caches, the way vLLM's worker hands them over; the tests drive
-them through the control socket exactly as the engine service does.
+folder; with ``gloo``, a real two-rank gloo group over loopback) hold small synthetic KV caches,
+the way vLLM's worker hands them over; the tests drive them through the control socket exactly
+as the engine service does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import zmq
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_engine.kv.transport import chunks
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
@@ -35,14 +37,21 @@ def _kv(seed: int) -> dict[str, torch.Tensor]:
 
 
 class Pair:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, transport: str = "tcp", chunk_bytes: int = 8 << 20) -> None:
         self.source_kv, self.target_kv = _kv(1), _kv(2)
         self.addresses = {name: f"ipc://{folder}/{name}" for name in ("sc", "sd", "tc", "td")}
-        self.source = KvAgent(
-            self.source_kv, BLOCKS, BLOCK, self.addresses["sc"], self.addresses["sd"], timeout_s=5
-        )
-        self.target = KvAgent(
-            self.target_kv, BLOCKS, BLOCK, self.addresses["tc"], self.addresses["td"], timeout_s=5
+        self.source, self.target = (
+            KvAgent(
+                kv_caches,
+                BLOCKS,
+                BLOCK,
+                self.addresses[control],
+                self.addresses[data],
+                transport=transport,
+                chunk_bytes=chunk_bytes,
+                timeout_s=5,
+            )
+            for kv_caches, control, data in ((self.source_kv, "sc", "sd"), (self.target_kv, "tc", "td"))
         )
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket[bytes]] = {}
@@ -71,6 +80,14 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     agents.close()
 
 
+# Chunks of two blocks: runs of consecutive block ids are split, so several messages go per send.
+@pytest.fixture(params=["tcp", "gloo"])
+def any_pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    agents = Pair(tmp_path, request.param, chunk_bytes=2 * LAYERS * WIDTH * 2)
+    yield agents
+    agents.close()
+
+
 def _run(agent: KvAgent, request_id: str, block_ids: list[int], tokens: int) -> None:
     """What the connector does for a request vLLM scheduled: its table, then the step done."""
     update = TableUpdate(request_id, request_id + "-vllm", block_ids, True, tokens)
@@ -78,21 +95,79 @@ def _run(agent: KvAgent, request_id: str, block_ids: list[int], tokens: int) -> 
     agent.step_done([update])
 
 
-def test_full_blocks_go_over_unchanged_and_are_injected(pair: Pair) -> None:
-    _run(pair.source, "r", [5, 9, 2, 7], tokens=3 * BLOCK + 1)  # three full blocks, one partial
+def test_full_blocks_go_over_unchanged_and_are_injected(any_pair: Pair) -> None:
+    pair = any_pair
+    # Six full blocks and a partial one; ids 3, 4, 5 run on, the rest are scattered.
+    _run(pair.source, "r", [9, 3, 4, 5, 0, 12, 7], tokens=6 * BLOCK + 1)
+    assert pair.call("source", kv.Connect(pair.addresses["td"])) is None
     sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
     assert isinstance(sent, kv.SentBlocks)
     # Only full blocks while the request runs: the partial one still changes.
-    assert (sent.next_block, sent.blocks, sent.tokens_written) == (3, 3, 3 * BLOCK + 1)
-    source = pair.call("source", kv.ReadBlocks("r", 0, 3))
+    assert (sent.next_block, sent.blocks, sent.tokens_written) == (6, 6, 6 * BLOCK + 1)
+    assert sent.bytes == 6 * LAYERS * WIDTH * 2
+    source = pair.call("source", kv.ReadBlocks("r", 0, 6))
     staged = pair.call("target", kv.ReadStaged("m"))
     assert isinstance(source, kv.BlockBytes) and isinstance(staged, kv.BlockBytes)
-    assert staged.data == source.data and len(source.data) == 3 * LAYERS * WIDTH * 2
-    # The target's request got blocks 11, 12, 13 from vLLM: the staged bytes land there.
-    assert pair.target.inject(Load("r", "m", 0, [11, 12, 13])) == 3
+    assert staged.data == source.data and len(source.data) == 6 * LAYERS * WIDTH * 2
+    # The target's request got blocks 10, 11, 1, 2, 13, 14 from vLLM: the staged bytes land there.
+    assert pair.target.inject(Load("r", "m", 0, [10, 11, 1, 2, 13, 14])) == 6
     for name in pair.source_kv:
-        assert torch.equal(pair.target_kv[name][[11, 12, 13]], pair.source_kv[name][[5, 9, 2]])
+        assert torch.equal(
+            pair.target_kv[name][[10, 11, 1, 2, 13, 14]], pair.source_kv[name][[9, 3, 4, 5, 0, 12]]
+        )
     assert pair.target.take_load_errors() == set()
+
+
+def test_block_ids_are_sent_in_runs_of_consecutive_ids() -> None:
+    assert list(chunks([9, 3, 4, 5, 0, 12, 13], 2)) == [
+        (0, 9, 1),
+        (1, 3, 2),
+        (3, 5, 1),
+        (4, 0, 1),
+        (5, 12, 2),
+    ]
+    assert list(chunks(list(range(5)), 8)) == [(0, 0, 5)]
+    assert list(chunks([], 8)) == []
+
+
+def test_nccl_is_refused_without_a_gpu_kv_cache(tmp_path: Path) -> None:
+    """On a CPU build (or with a CPU KV cache), asking for nccl fails when the agent starts,
+    never mid-migration."""
+    with pytest.raises(ValueError, match="nccl"):
+        KvAgent(_kv(1), BLOCKS, BLOCK, f"ipc://{tmp_path}/c", f"ipc://{tmp_path}/d", transport="nccl")
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.distributed.is_nccl_available()), reason="needs a GPU and NCCL"
+)
+def test_nccl_moves_gpu_blocks(tmp_path: Path) -> None:
+    def gpu_kv(seed: int) -> dict[str, torch.Tensor]:
+        return {name: tensor.cuda() for name, tensor in _kv(seed).items()}
+
+    source_kv, target_kv = gpu_kv(1), gpu_kv(2)
+    source = KvAgent(
+        source_kv, BLOCKS, BLOCK, f"ipc://{tmp_path}/sc", f"ipc://{tmp_path}/sd", transport="nccl"
+    )
+    target = KvAgent(
+        target_kv, BLOCKS, BLOCK, f"ipc://{tmp_path}/tc", f"ipc://{tmp_path}/td", transport="nccl"
+    )
+    try:
+        _run(source, "r", [4, 5, 1], tokens=3 * BLOCK)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.connect(f"ipc://{tmp_path}/sc")
+        sock.send(kv.encoder.encode(kv.SendBlocks("r", "m", f"ipc://{tmp_path}/td", 0)))
+        assert sock.poll(30000)
+        sent = kv.agent_reply_decoder.decode(sock.recv())
+        sock.close(linger=0)
+        ctx.term()
+        assert isinstance(sent, kv.SentBlocks) and sent.blocks == 3, sent
+        assert target.inject(Load("r", "m", 0, [0, 2, 3])) == 3
+        for name in source_kv:
+            assert torch.equal(target_kv[name][[0, 2, 3]], source_kv[name][[4, 5, 1]])
+    finally:
+        source.close()
+        target.close()
 
 
 def test_blocks_never_staged_are_load_errors(pair: Pair) -> None:

@@ -5,8 +5,9 @@ Every engine's vLLM worker runs a KV agent (``shoal_engine.kv.agent``) with two 
 * a control socket (REP) for its own engine service: send a request's blocks to another
   engine, free a staging area, read blocks back (tests compare them byte for byte);
 * a data socket (ROUTER) where other agents push staged blocks: one ``StageHeader`` frame, then
-  one frame holding the chunk's bytes (all layers, the chunk's blocks, in the layout the
-  header names), answered by one ``StageAck``.
+  one frame per layer holding the chunk's blocks of that layer (or, with ``via`` set, nothing
+  more: the layers come over the pair's torch.distributed group, made by a ``PairJoin``
+  first), answered by one ``StageAck``.
 
 msgspec only, never pickle. Every message is a tagged struct, so one decoder reads the union.
 """
@@ -35,6 +36,13 @@ class SendBlocks(_Tagged):
     first_block: int
     max_blocks: int = 1 << 30
     partial: bool = False
+
+
+class Connect(_Tagged):
+    """Open the transport's connection to ``target`` (an agent's data address) now, so that
+    the first migration there does not pay for it."""
+
+    target: str
 
 
 class Hold(_Tagged):
@@ -68,7 +76,7 @@ class AgentStatus(_Tagged):
     pass
 
 
-AgentCommand = SendBlocks | Hold | Release | FreeStaging | ReadBlocks | ReadStaged | AgentStatus
+AgentCommand = SendBlocks | Connect | Hold | Release | FreeStaging | ReadBlocks | ReadStaged | AgentStatus
 
 
 class SentBlocks(_Tagged):
@@ -115,6 +123,20 @@ class StageHeader(_Tagged):
     first_block: int
     num_blocks: int
     bytes_per_block: int
+    # "" (the layers follow as frames), "gloo" or "nccl" (they follow on the pair group).
+    via: str = ""
+
+
+class PairJoin(_Tagged):
+    """Join the sender's two-rank process group: it is rank 0 and hosts the rendezvous store."""
+
+    pair_id: str
+    backend: str
+    store_host: str
+    store_port: int
+
+
+DataMessage = StageHeader | PairJoin
 
 
 class StageAck(_Tagged):
@@ -125,6 +147,6 @@ class StageAck(_Tagged):
 
 agent_command_decoder = msgspec.msgpack.Decoder(AgentCommand)
 agent_reply_decoder = msgspec.msgpack.Decoder(AgentReply)
-stage_header_decoder = msgspec.msgpack.Decoder(StageHeader)
+data_message_decoder = msgspec.msgpack.Decoder(DataMessage)
 stage_ack_decoder = msgspec.msgpack.Decoder(StageAck)
 encoder = msgspec.msgpack.Encoder()

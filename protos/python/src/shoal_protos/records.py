@@ -52,6 +52,8 @@ class EngineRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     started_at: float
     # gRPC EngineControl (migrations, drain); empty when migration is off.
     control_address: str = ""
+    # The KV agent's data address (where migrated blocks are sent); empty when migration is off.
+    kv_address: str = ""
 
 
 class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):

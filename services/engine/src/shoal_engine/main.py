@@ -188,6 +188,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         protocol_version=PROTOCOL_VERSION,
         started_at=time.time(),
         control_address=config.control_address if config.migration else "",
+        kv_address=config.kv_data_bind if config.migration else "",
     )
     keys = Keys(config.cluster)
     migrations: MigrationManager | None = None
@@ -216,6 +217,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     )
     await registration.register()
     logger.info("engine %s ready: zmq %s, http %s", config.engine_id, zmq_address, record.http_address)
+    warm_up = asyncio.create_task(migrations.warm_up_forever(), name="kv-warm-up") if migrations else None
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -229,6 +231,8 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     else:
         logger.info("stopping: marking DRAINING in Redis")
     stop_task.cancel()
+    if warm_up is not None:
+        warm_up.cancel()
     try:
         await registration.set_state(EngineState.DRAINING)
     except (aioredis.RedisError, OSError) as exc:

@@ -373,6 +373,34 @@ class MigrationManager:
                 best = (free, record)
         return best[1] if best else None
 
+    async def warm_up_forever(self, interval_s: float = 5.0) -> None:
+        """Open the KV transport's connection to every other active engine as it appears, so
+        that no migration pays for making it (with gloo, a process group's rendezvous)."""
+        warmed: set[str] = set()
+        while True:
+            try:
+                ids = await self._redis.smembers(self._keys.engines)
+                for engine_id in sorted(m.decode() for m in ids):
+                    raw = (
+                        await self._redis.get(self._keys.engine(engine_id))
+                        if engine_id != self._engine_id
+                        else None
+                    )
+                    record = engine_record_decoder.decode(raw) if raw else None
+                    if record is None or record.state != EngineState.ACTIVE or not record.kv_address:
+                        continue
+                    if record.kv_address in warmed:
+                        continue
+                    try:
+                        await self._agent.call(kv.Connect(record.kv_address))
+                    except MigrationError as exc:
+                        logger.info("KV link to %s not ready yet: %s", engine_id, exc)
+                        continue
+                    warmed.add(record.kv_address)
+            except (RedisError, OSError, msgspec.DecodeError) as exc:
+                logger.debug("KV warm-up pass failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
     async def _agent_status(self) -> kv.Status:
         if self._status is None:
             status = await self._agent.call(kv.AgentStatus())

@@ -4,12 +4,14 @@ The connector (``shoal_engine.kv.connector``) hands it the KV tensors once and, 
 step, the block tables of the requests the scheduler ran; the agent keeps, per request, its
 block ids and how many tokens of KV have been written. Two threads serve the rest:
 
-* **control** (ZeroMQ REP, for the engine service on the same machine): ``SendBlocks`` copies a
-  request's full blocks into a reused buffer and pushes them to another engine's agent through
-  the transport; ``FreeStaging``, ``ReadBlocks``, ``ReadStaged``, ``AgentStatus``.
-* **data** (ZeroMQ ROUTER, for other agents): receives staged chunks into staging areas, keyed
-  by migration id, until the request arrives and ``inject`` copies them into the blocks vLLM
-  gave it. A staging area nobody claims is freed after ``staging_ttl_s``.
+* **control** (ZeroMQ REP, for the engine service on the same machine): ``SendBlocks`` pushes a
+  request's blocks, straight from the KV cache, to another engine's agent through the transport
+  (``shoal_engine.kv.transport``); ``Connect`` opens that link ahead of time; ``Hold``,
+  ``Release``, ``FreeStaging``, ``ReadBlocks``, ``ReadStaged``, ``AgentStatus``.
+* **data** (a stream socket for other agents, one thread per connected source): receives staged
+  chunks into the staging arena, keyed by migration id, until the request arrives and
+  ``inject`` copies them into the blocks vLLM gave it. A staging area nobody claims is freed
+  after ``staging_ttl_s``.
 
 Full blocks never change once written, so they are read while the model keeps decoding; the
 engine step only ever writes a request's last, partial block.
@@ -17,7 +19,9 @@ engine step only ever writes a request's last, partial block.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,12 +30,23 @@ import msgspec
 import torch
 import zmq
 
-from shoal_engine.kv.transport import KvTransport, make_transport
+from shoal_engine.kv.staging import StagingArena
+from shoal_engine.kv.transport import (
+    KvTransport,
+    Receiver,
+    Transport,
+    host_of,
+    listen,
+    read_message,
+    write_message,
+)
 from shoal_protos import kv
 
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT_S = 5.0
+# A chunk bigger than this (about 1 GiB for SmolLM2) is not a chunk a sane source sends.
+_MAX_CHUNK_BLOCKS = 2048
 
 
 @dataclass(slots=True)
@@ -46,9 +61,11 @@ class _Table:
 @dataclass(slots=True)
 class _Staged:
     created: float
-    # first block index -> (number of blocks, uint8 tensor [layers, blocks, bytes_per_layer_block])
-    chunks: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # first block index -> (number of blocks, per layer a uint8 tensor [blocks, bytes_per_layer_block])
+    chunks: dict[int, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     nbytes: int = 0
+    # Runs of the staging arena the chunks occupy: (first slot, slots).
+    runs: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +99,7 @@ class KvAgent:
         chunk_bytes: int = 8 << 20,
         staging_ttl_s: float = 60.0,
         timeout_s: float = 10.0,
+        staging_bytes: int = 1 << 30,
     ) -> None:
         self.block_size = block_size
         self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
@@ -104,15 +122,28 @@ class KvAgent:
         self._released: set[str] = set()
         # Staging areas freed on purpose: chunks still in flight for them are dropped.
         self._freed: dict[str, None] = {}
-        self._ctx = zmq.Context(io_threads=1)
-        self._transport: KvTransport = make_transport(
-            transport, self._ctx, self._chunk_blocks * self.bytes_per_block, timeout_s
+        self._host = host_of(data_address)
+        self._timeout_s = timeout_s
+        self._transport: KvTransport = Transport(
+            transport,
+            self._host,
+            self._layers[0].device,
+            self._chunk_blocks * self.bytes_per_block,
+            timeout_s,
+        )
+        self._arena = StagingArena(
+            self.num_layers,
+            self.bytes_per_layer_block,
+            staging_bytes // self.bytes_per_block,
+            self._layers[0].device,
         )
         self._stop = threading.Event()
+        self._ctx = zmq.Context(io_threads=1)
         self._control = self._ctx.socket(zmq.REP)
         self._control.bind(control_address)
-        self._data = self._ctx.socket(zmq.ROUTER)
-        self._data.bind(data_address)
+        self._server = listen(data_address)
+        self._server.settimeout(0.2)
+        self._peers: set[socket.socket] = set()
         self._threads = [
             threading.Thread(target=self._serve_control, name="shoal-kv-control", daemon=True),
             threading.Thread(target=self._serve_data, name="shoal-kv-data", daemon=True),
@@ -160,6 +191,14 @@ class KvAgent:
         number of blocks loaded. Blocks with no staged data are reported as load errors."""
         with self._lock:
             staged = self._staging.pop(load.migration_id, None)
+        try:
+            done = self._inject(load, staged)
+        finally:
+            if staged is not None:
+                self._give_back(staged)
+        return done
+
+    def _inject(self, load: Load, staged: _Staged | None) -> int:
         wanted = range(load.first_block, load.first_block + len(load.block_ids))
         done: set[int] = set()
         if staged is not None:
@@ -169,8 +208,8 @@ class KvAgent:
                     continue
                 src = torch.tensor([b - first for b in picks], dtype=torch.long)
                 dst = torch.tensor([load.block_ids[b - load.first_block] for b in picks], dtype=torch.long)
-                for layer, tensor in enumerate(self._layers):
-                    tensor.index_copy_(0, dst, data[layer].index_select(0, src))
+                for tensor, staged_layer in zip(self._layers, data, strict=True):
+                    tensor.index_copy_(0, dst, staged_layer.index_select(0, src))
                 done.update(picks)
         missing = [load.block_ids[b - load.first_block] for b in wanted if b not in done]
         if missing:
@@ -215,6 +254,11 @@ class KvAgent:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2)
+        with self._lock:
+            peers = list(self._peers)
+        for conn in peers:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         self._transport.close()
         self._ctx.destroy(linger=0)
 
@@ -240,6 +284,9 @@ class KvAgent:
     def _handle(self, command: kv.AgentCommand) -> kv.AgentReply:
         if isinstance(command, kv.SendBlocks):
             return self._send_blocks(command)
+        if isinstance(command, kv.Connect):
+            self._transport.connect(command.target)
+            return None
         if isinstance(command, kv.Hold):
             with self._lock:
                 self._holds[command.request_id] = time.monotonic() + command.hold_s
@@ -250,10 +297,12 @@ class KvAgent:
             return None
         if isinstance(command, kv.FreeStaging):
             with self._lock:
-                self._staging.pop(command.migration_id, None)
+                staged = self._staging.pop(command.migration_id, None)
                 self._freed[command.migration_id] = None
                 if len(self._freed) > 4096:
                     del self._freed[next(iter(self._freed))]
+            if staged is not None:
+                self._give_back(staged)
             return None
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
@@ -276,7 +325,7 @@ class KvAgent:
             if not chunks:
                 return kv.AgentError(message=f"nothing staged for {command.migration_id}")
             first = chunks[0][0]
-            data = torch.cat([c.permute(1, 0, 2) for _, (_, c) in chunks])
+            data = torch.cat([torch.stack(layers, dim=1) for _, (_, layers) in chunks])
             return kv.BlockBytes(
                 first_block=first, num_blocks=data.shape[0], data=data.contiguous().numpy().tobytes()
             )
@@ -322,12 +371,7 @@ class KvAgent:
                 next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written
             )
         sent = self._transport.send(
-            command.target,
-            command.migration_id,
-            command.first_block,
-            ids,
-            self._layers,
-            self.bytes_per_layer_block,
+            command.target, command.migration_id, command.first_block, ids, self._layers
         )
         return kv.SentBlocks(
             next_block=command.first_block + len(ids),
@@ -337,57 +381,105 @@ class KvAgent:
             tokens_written=written,
         )
 
-    # ---- data thread ------------------------------------------------------------------------
+    # ---- data threads -----------------------------------------------------------------------
 
     def _serve_data(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._data, zmq.POLLIN)
+        """Accept source agents' connections, one thread each; expire unclaimed staging."""
         while not self._stop.is_set():
-            if not poller.poll(200):
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
                 self._expire_staging()
                 continue
-            frames = self._data.recv_multipart(copy=False)
-            identity = frames[0].bytes
-            ack = self._stage(frames[1:])
-            self._data.send_multipart([identity, kv.encoder.encode(ack)])
-        self._data.close(linger=0)
+            except OSError:
+                break
+            conn.settimeout(None)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._peers.add(conn)
+            threading.Thread(target=self._serve_peer, args=(conn,), name="shoal-kv-peer", daemon=True).start()
+        self._server.close()
 
-    def _stage(self, frames: list[zmq.Frame]) -> kv.StageAck:
-        if len(frames) != 2:
-            return kv.StageAck(migration_id="", staged_blocks=0, error="expected a header and one data frame")
+    def _serve_peer(self, conn: socket.socket) -> None:
+        receiver = Receiver(conn, self._host, self._layers[0].device, self._timeout_s)
         try:
-            header = kv.stage_header_decoder.decode(frames[0].bytes)
-        except msgspec.DecodeError as exc:
-            return kv.StageAck(migration_id="", staged_blocks=0, error=f"undecodable header: {exc}")
-        expected = header.num_blocks * self.bytes_per_block
-        if header.bytes_per_block != self.bytes_per_block or len(frames[1].buffer) != expected:
-            return kv.StageAck(
-                migration_id=header.migration_id,
-                staged_blocks=0,
-                error=f"layout mismatch: {header.bytes_per_block} bytes per block sent, "
-                f"{self.bytes_per_block} here",
+            while not self._stop.is_set():
+                conn.settimeout(None)  # idle until the next message
+                raw = read_message(conn)
+                conn.settimeout(self._timeout_s)
+                message = kv.data_message_decoder.decode(raw)
+                if isinstance(message, kv.PairJoin):
+                    receiver.join(message)
+                    continue
+                ack, in_step = self._stage(receiver, message)
+                write_message(conn, ack)
+                if not in_step:
+                    break
+        except (OSError, RuntimeError, ValueError, msgspec.DecodeError) as exc:
+            if not self._stop.is_set():
+                logger.warning("KV agent: dropped a source connection: %s", exc)
+        finally:
+            with self._lock:
+                self._peers.discard(conn)
+            conn.close()
+
+    def _stage(self, receiver: Receiver, header: kv.StageHeader) -> tuple[kv.StageAck, bool]:
+        """Receive one chunk into staging; the ack, and whether the connection is still in step
+        (it is not once a chunk's bytes could not be read)."""
+        if header.bytes_per_block != self.bytes_per_block or not 0 < header.num_blocks <= _MAX_CHUNK_BLOCKS:
+            error = (
+                f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here"
+                if header.bytes_per_block != self.bytes_per_block
+                else f"a chunk of {header.num_blocks} blocks"
             )
-        # The frame's own buffer becomes the staged tensor: no copy on receipt.
-        data = torch.frombuffer(frames[1].buffer, dtype=torch.uint8).view(
-            self.num_layers, header.num_blocks, self.bytes_per_layer_block
-        )
+            return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=error), False
+        # Into the arena when it has room; otherwise into fresh memory.
+        count = header.num_blocks
+        slot = self._arena.take(count)
+        if slot is not None:
+            into = self._arena.views(slot, count)
+        else:
+            shape = (count, self.bytes_per_layer_block)
+            into = [
+                torch.empty(shape, dtype=torch.uint8, device=self._layers[0].device) for _ in self._layers
+            ]
+        try:
+            receiver.receive(header, into)
+        except (OSError, RuntimeError, ConnectionError) as exc:
+            if slot is not None:
+                self._arena.give_back(slot, count)
+            return kv.StageAck(
+                migration_id=header.migration_id, staged_blocks=0, error=f"receive failed: {exc}"
+            ), False
         with self._lock:
-            if header.migration_id in self._freed:
-                return kv.StageAck(
-                    migration_id=header.migration_id, staged_blocks=0, error="migration cancelled"
-                )
-            staged = self._staging.setdefault(header.migration_id, _Staged(time.monotonic()))
-            staged.chunks[header.first_block] = (header.num_blocks, data)
-            staged.nbytes += expected
-            count = sum(n for n, _ in staged.chunks.values())
-        return kv.StageAck(migration_id=header.migration_id, staged_blocks=count)
+            cancelled = header.migration_id in self._freed
+            if not cancelled:
+                staged = self._staging.setdefault(header.migration_id, _Staged(time.monotonic()))
+                staged.chunks[header.first_block] = (count, into)
+                staged.nbytes += count * self.bytes_per_block
+                if slot is not None:
+                    staged.runs.append((slot, count))
+                total = sum(n for n, _ in staged.chunks.values())
+        if cancelled:
+            if slot is not None:
+                self._arena.give_back(slot, count)
+            return kv.StageAck(
+                migration_id=header.migration_id, staged_blocks=0, error="migration cancelled"
+            ), True
+        return kv.StageAck(migration_id=header.migration_id, staged_blocks=total), True
+
+    def _give_back(self, staged: _Staged) -> None:
+        for slot, count in staged.runs:
+            self._arena.give_back(slot, count)
+        staged.runs.clear()
 
     def _expire_staging(self) -> None:
         cutoff = time.monotonic() - self._staging_ttl_s
         with self._lock:
             stale = [m for m, s in self._staging.items() if s.created < cutoff]
             for migration_id in stale:
-                del self._staging[migration_id]
+                self._give_back(self._staging.pop(migration_id))
         for migration_id in stale:
             logger.warning("freed staging of migration %s: its request never arrived", migration_id)
 

@@ -1,23 +1,52 @@
 """How KV bytes travel from one engine's agent to another's.
 
-``KvTransport.send`` gathers a request's blocks, chunk by chunk, into reused buffers and delivers
-them into the target agent's staging area, returning once every chunk is acknowledged.
+``KvTransport.send`` delivers a request's blocks into the target agent's staging area and returns
+once every chunk is acknowledged. A chunk is a run of consecutive block ids (at most
+``chunk_bytes``); its data leaves straight from the KV cache, one piece per layer (a layer's
+blocks ``[b, b + n)`` are one contiguous region), so nothing is gathered into a send buffer. Full
+blocks never change once written, and a request's partial block is only sent once it is
+stopped, so reading the cache while the model runs is safe.
 
-* ``tcp``: ZeroMQ over TCP (the CPU default). One long-lived DEALER socket per target agent;
-  chunks are sent zero-copy from two alternating buffers (a buffer is refilled only after ZeroMQ
-  has let go of it), all chunks of a call are in flight at once, then the acks are collected.
-* ``gloo`` and ``nccl`` (torch.distributed process groups per engine pair) are not built yet:
-  asking for them raises, so a misconfigured fleet fails at start rather than mid-migration.
+The data plane is one long-lived stream connection per engine pair (TCP, or a Unix socket for
+an ``ipc://`` address), made on the first send or by ``connect`` (the warm-up). On it every
+message is a 4-byte length and a msgspec ``DataMessage`` (a ``StageHeader`` or ``PairJoin``);
+every ``StageHeader`` is answered by a length-prefixed ``StageAck``. Where the layers go:
+
+* ``tcp`` (the CPU default): right after the header on the same connection. The sender writes
+  them from the KV cache's own memory; the receiver reads them straight into its staging arena
+  (``shoal_engine.kv.staging``): one kernel copy on each side, as raw sockets get.
+* ``gloo`` and ``nccl``: over a two-rank torch.distributed process group made per engine pair
+  (a ``PairJoin`` on the connection; the sender hosts the rendezvous store), by ``send`` /
+  ``recv`` per layer. ``nccl`` needs CUDA and a torch build with NCCL; on a CPU build asking for
+  it fails when the agent starts.
+
+All chunks of a call are written before the acks are read, so the pipe never drains between
+chunks. ``Receiver`` is the receiving half, on one thread per connected peer of the target agent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import logging
+import os
+import socket
+import struct
+import uuid
+from collections.abc import Iterator
 from typing import Protocol
+from urllib.parse import urlsplit
 
+import msgspec
 import torch
-import zmq
+import torch.distributed as dist
 
 from shoal_protos import kv
+
+logger = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+_MAX_HEADER = 1 << 16
 
 
 class TransportError(Exception):
@@ -25,6 +54,10 @@ class TransportError(Exception):
 
 
 class KvTransport(Protocol):
+    def connect(self, target: str) -> None:
+        """Open the connection to ``target`` ahead of the first migration to it (a warm-up)."""
+        ...
+
     def send(
         self,
         target: str,
@@ -32,38 +65,173 @@ class KvTransport(Protocol):
         first_block: int,
         block_ids: list[int],
         layers: list[torch.Tensor],
-        bytes_per_layer_block: int,
     ) -> int:
-        """Deliver blocks ``block_ids`` (block indices ``first_block...`` of the request) into
+        """Deliver blocks ``block_ids`` (block indices ``first_block...`` of the request) of
+        every layer in ``layers`` (each ``[num_blocks, bytes per layer block]`` uint8) into
         ``target``'s staging area ``migration_id``; returns the bytes sent."""
         ...
 
     def close(self) -> None: ...
 
 
-class TcpTransport:
-    def __init__(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], chunk_bytes: int, timeout_s: float = 30.0
-    ) -> None:
-        self._ctx = ctx
-        self._chunk_bytes = chunk_bytes
-        self._timeout_ms = int(timeout_s * 1000)
-        self._sockets: dict[str, zmq.Socket[bytes]] = {}
-        self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(2)]
-        self._trackers: list[zmq.MessageTracker | None] = [None, None]
+def chunks(block_ids: list[int], max_blocks: int) -> Iterator[tuple[int, int, int]]:
+    """Split a request's block ids into runs of consecutive ids of at most ``max_blocks``:
+    ``(index of the run's first block in the request, first block id, number of blocks)``."""
+    index = 0
+    while index < len(block_ids):
+        start = block_ids[index]
+        count = 1
+        while (
+            count < max_blocks
+            and index + count < len(block_ids)
+            and block_ids[index + count] == start + count
+        ):
+            count += 1
+        yield index, start, count
+        index += count
 
-    def _socket(self, target: str) -> zmq.Socket[bytes]:
-        sock = self._sockets.get(target)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(target)
-            self._sockets[target] = sock
+
+def host_of(address: str) -> str:
+    """The host of a data address (``tcp://host:port``); loopback for ``ipc://``."""
+    if not address.startswith("tcp://"):
+        return "127.0.0.1"
+    return urlsplit(address).hostname or "127.0.0.1"
+
+
+def listen(address: str) -> socket.socket:
+    """The listening socket of an agent's data address (``tcp://host:port`` or ``ipc://path``)."""
+    if address.startswith("ipc://"):
+        path = address.removeprefix("ipc://")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left by an agent that did not exit cleanly
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+    else:
+        parts = urlsplit(address)
+        server = socket.create_server((parts.hostname or "0.0.0.0", parts.port or 0), reuse_port=False)
+    server.listen(64)
+    return server
+
+
+def _dial(address: str, timeout_s: float) -> socket.socket:
+    if address.startswith("ipc://"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.connect(address.removeprefix("ipc://"))
         return sock
+    parts = urlsplit(address)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
-    def warm_up(self, target: str) -> None:
-        """Open the connection ahead of the first migration to ``target``."""
-        self._socket(target)
+
+def write_message(sock: socket.socket, message: kv.StageHeader | kv.PairJoin | kv.StageAck) -> None:
+    body = kv.encoder.encode(message)
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def read_exactly(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("the peer closed the connection")
+        view = view[got:]
+
+
+def read_message(sock: socket.socket) -> bytes:
+    length = bytearray(_LENGTH.size)
+    read_exactly(sock, memoryview(length))
+    (size,) = _LENGTH.unpack(length)
+    if size > _MAX_HEADER:
+        raise ConnectionError(f"a {size}-byte header is not a KV data message")
+    body = bytearray(size)
+    read_exactly(sock, memoryview(body))
+    return bytes(body)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def _process_group(
+    backend: str, store: dist.Store, rank: int, host: str, timeout_s: float
+) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # Gloo listens on the address the agent serves on (not whatever the hostname resolves to).
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(store, rank, 2, options)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, 2, options)
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Fail at start, not mid-migration, when ``backend`` cannot carry this KV cache."""
+    if backend == "tcp" and device.type != "cpu":
+        raise ValueError("KV transport 'tcp' needs the KV cache in host memory; use 'nccl' on GPUs")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise ValueError("KV transport 'gloo' needs torch.distributed with gloo")
+    if backend == "nccl" and (not dist.is_nccl_available() or device.type != "cuda"):
+        raise ValueError(
+            "KV transport 'nccl' needs a CUDA build of torch with NCCL and a KV cache on the GPU"
+        )
+    if backend not in ("tcp", "gloo", "nccl"):
+        raise ValueError(f"unknown KV transport {backend!r} (tcp, gloo, nccl)")
+
+
+class Transport:
+    """The sending half of every transport: a connection per target agent and, for ``gloo`` and
+    ``nccl``, rank 0 of a process group per target."""
+
+    def __init__(
+        self, backend: str, host: str, device: torch.device, chunk_bytes: int, timeout_s: float
+    ) -> None:
+        check_backend(backend, device)
+        self._backend = backend
+        self._host = host
+        self._chunk_bytes = chunk_bytes
+        self._timeout_s = timeout_s
+        self._connections: dict[str, socket.socket] = {}
+        self._groups: dict[str, tuple[dist.Store, dist.ProcessGroup]] = {}
+
+    def connect(self, target: str) -> None:
+        if target in self._connections:
+            return
+        try:
+            sock = _dial(target, self._timeout_s)
+        except OSError as exc:
+            raise TransportError(f"cannot reach {target}: {exc}") from exc
+        self._connections[target] = sock
+        if self._backend == "tcp":
+            return
+        try:
+            # This side hosts the pair's rendezvous store on a free port; the target joins it.
+            store = dist.TCPStore(
+                self._host,
+                0,
+                world_size=2,
+                is_master=True,
+                timeout=datetime.timedelta(seconds=self._timeout_s),
+                wait_for_workers=False,
+            )
+            pair = uuid.uuid4().hex
+            write_message(
+                sock,
+                kv.PairJoin(
+                    pair_id=pair, backend=self._backend, store_host=self._host, store_port=store.port
+                ),
+            )
+            group = _process_group(
+                self._backend, dist.PrefixStore(pair, store), 0, self._host, self._timeout_s
+            )
+        except (OSError, RuntimeError) as exc:
+            self._drop(target)
+            raise TransportError(f"no {self._backend} group with {target}: {exc}") from exc
+        self._groups[target] = (store, group)
+        logger.info("KV transport: %s pair with %s ready", self._backend, target)
 
     def send(
         self,
@@ -72,59 +240,91 @@ class TcpTransport:
         first_block: int,
         block_ids: list[int],
         layers: list[torch.Tensor],
-        bytes_per_layer_block: int,
     ) -> int:
-        sock = self._socket(target)
-        num_layers = len(layers)
-        per_block = num_layers * bytes_per_layer_block
-        step = max(1, self._chunk_bytes // per_block)
-        sent = chunks = 0
-        for start in range(0, len(block_ids), step):
-            ids = block_ids[start : start + step]
-            slot = chunks % 2
-            tracker = self._trackers[slot]
-            if tracker is not None:
-                tracker.wait(self._timeout_ms / 1000)
-            nbytes = len(ids) * per_block
-            buf = self._buffers[slot][:nbytes].view(num_layers, len(ids), bytes_per_layer_block)
-            index = torch.tensor(ids, dtype=torch.long)
-            for layer, tensor in enumerate(layers):
-                torch.index_select(tensor, 0, index, out=buf[layer])
-            header = kv.StageHeader(
-                migration_id=migration_id,
-                first_block=first_block + start,
-                num_blocks=len(ids),
-                bytes_per_block=per_block,
-            )
-            self._trackers[slot] = sock.send_multipart(
-                [kv.encoder.encode(header), memoryview(buf.numpy()).cast("B")], copy=False, track=True
-            )
-            sent += nbytes
-            chunks += 1
-        for _ in range(chunks):
-            if not sock.poll(self._timeout_ms):
-                self._drop(target)
-                raise TransportError(f"no ack from {target} within {self._timeout_ms} ms")
-            ack = kv.stage_ack_decoder.decode(sock.recv())
-            if ack.error:
-                raise TransportError(f"{target} refused a chunk: {ack.error}")
+        self.connect(target)
+        sock = self._connections[target]
+        per_block = len(layers) * layers[0].shape[1]
+        sent = messages = 0
+        try:
+            for index, start, count in chunks(block_ids, max(1, self._chunk_bytes // per_block)):
+                header = kv.StageHeader(
+                    migration_id=migration_id,
+                    first_block=first_block + index,
+                    num_blocks=count,
+                    bytes_per_block=per_block,
+                    via="" if self._backend == "tcp" else self._backend,
+                )
+                write_message(sock, header)
+                pieces = [layer[start : start + count] for layer in layers]
+                if self._backend == "tcp":
+                    for piece in pieces:
+                        sock.sendall(_bytes_of(piece))
+                else:
+                    group = self._groups[target][1]
+                    works = [group.send([piece], 1, tag) for tag, piece in enumerate(pieces)]
+                    for work in works:
+                        work.wait(datetime.timedelta(seconds=self._timeout_s))
+                sent += count * per_block
+                messages += 1
+            for _ in range(messages):
+                ack = kv.stage_ack_decoder.decode(read_message(sock))
+                if ack.error:
+                    raise TransportError(f"{target} refused a chunk: {ack.error}")
+        except (OSError, RuntimeError, msgspec.DecodeError) as exc:
+            # A connection (or group) that failed mid-message is out of step: make a new one next time.
+            self._drop(target)
+            raise TransportError(f"sending to {target} failed: {exc}") from exc
+        except TransportError:
+            self._drop(target)
+            raise
         return sent
 
     def _drop(self, target: str) -> None:
-        sock = self._sockets.pop(target, None)
+        self._groups.pop(target, None)
+        sock = self._connections.pop(target, None)
         if sock is not None:
-            sock.close(linger=0)
+            sock.close()
 
     def close(self) -> None:
-        for target in list(self._sockets):
+        for target in list(self._connections):
             self._drop(target)
 
 
-def make_transport(
-    name: str, ctx: zmq.Context[zmq.Socket[bytes]], chunk_bytes: int, timeout_s: float
-) -> KvTransport:
-    if name == "tcp":
-        return TcpTransport(ctx, chunk_bytes, timeout_s)
-    if name in ("gloo", "nccl"):
-        raise ValueError(f"KV transport {name!r} is not available in this build; use 'tcp'")
-    raise ValueError(f"unknown KV transport {name!r} (tcp, gloo, nccl)")
+class Receiver:
+    """The receiving half, for one connected source: reads a chunk's layers into the tensors
+    given (in the staging arena, or fresh ones)."""
+
+    def __init__(self, sock: socket.socket, host: str, device: torch.device, timeout_s: float) -> None:
+        self.sock = sock
+        self._host = host
+        self._device = device
+        self._timeout_s = timeout_s
+        self._group: tuple[dist.Store, dist.ProcessGroup] | None = None
+
+    def join(self, join: kv.PairJoin) -> None:
+        """Rank 1 of the pair group; blocks until the source (rank 0) is in it too."""
+        check_backend(join.backend, self._device)
+        store = dist.TCPStore(
+            join.store_host,
+            join.store_port,
+            world_size=2,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self._timeout_s),
+        )
+        group = _process_group(
+            join.backend, dist.PrefixStore(join.pair_id, store), 1, self._host, self._timeout_s
+        )
+        self._group = (store, group)
+
+    def receive(self, header: kv.StageHeader, into: list[torch.Tensor]) -> None:
+        """Fill ``into`` (one tensor per layer) with the chunk's data. Any failure leaves the
+        connection out of step: the caller closes it."""
+        if not header.via:
+            for tensor in into:
+                read_exactly(self.sock, _bytes_of(tensor))
+            return
+        if self._group is None:
+            raise ConnectionError(f"no {header.via} group with this source")
+        works = [self._group[1].recv([tensor], 0, tag) for tag, tensor in enumerate(into)]
+        for work in works:
+            work.wait(datetime.timedelta(seconds=self._timeout_s))
