@@ -79,7 +79,11 @@ class EngineConfig(BaseModel):
     socket for this engine service takes ``kv_port + 1``."""
 
     kv_transport: str = Field(default="tcp", pattern=r"^(tcp|gloo|nccl)$")
-    """How KV bytes travel between engines."""
+    """How KV bytes travel between engines: ``tcp`` (CPU default), ``gloo``, ``nccl`` (GPUs)."""
+
+    kv_staging_mib: int = Field(default=1024, ge=0, le=1 << 20)
+    """Staging arena of migrations arriving here: memory kept mapped between migrations (it
+    costs only as much as has been used). Chunks that do not fit go to fresh memory."""
 
     block_size: int | None = Field(default=None, ge=16)
     """KV block size in tokens; None keeps vLLM's default. Smaller blocks leave a shorter tail

@@ -170,6 +170,7 @@ class VllmBackend:
                 "control_address": config.kv_agent_address,
                 "data_address": config.kv_data_bind,
                 "transport": config.kv_transport,
+                "staging_bytes": config.kv_staging_mib << 20,
                 # A transfer never outlasts the migration step it serves.
                 "timeout_s": config.migration_step_timeout_s,
             },

@@ -75,6 +75,8 @@ class FleetConfig:
     """KV block size in tokens when migration is on (the CPU build's smallest): the tail a
     migrated request recomputes on its target is shorter than a block or two."""
     max_model_len: int | None = 2048
+    dtype: str = "bfloat16"
+    """Weights and KV cache precision of the engines."""
     kv_cache_gib: int = 1
     """KV cache space per engine (``VLLM_CPU_KVCACHE_SPACE``)."""
     heartbeat_ttl_s: float = 3.0
@@ -229,6 +231,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
             "--drain-timeout",
             str(cfg.drain_timeout_s),
         ]
+        command += ["--dtype", cfg.dtype]
         if cfg.enforce_eager:
             command.append("--enforce-eager")
         if cfg.migration:

@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--run-dir", type=Path, default=Path(".cache/run"))
     parser.add_argument(
         "--compile",
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         engine_kv_base_port=args.engine_base_port + 300,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
+        dtype=args.dtype,
         restart=not args.no_restart,
         enforce_eager=not args.compile,
     )

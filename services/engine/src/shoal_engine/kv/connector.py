@@ -193,6 +193,7 @@ class ShoalConnector(KVConnectorBase_V1):
             chunk_bytes=int(self._extra.get("chunk_bytes", 8 << 20)),
             staging_ttl_s=float(self._extra.get("staging_ttl_s", 60.0)),
             timeout_s=float(self._extra.get("timeout_s", 10.0)),
+            staging_bytes=int(self._extra.get("staging_bytes", 1 << 30)),
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
