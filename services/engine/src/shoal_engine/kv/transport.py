@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("!I")
 _MAX_HEADER = 1 << 16
+_IOV_MAX = 512  # buffers per sendmsg/recvmsg call (Linux allows 1024)
 
 
 class TransportError(Exception):
@@ -136,6 +137,33 @@ def read_exactly(sock: socket.socket, view: memoryview) -> None:
         if not got:
             raise ConnectionError("the peer closed the connection")
         view = view[got:]
+
+
+def _advance(views: list[memoryview], done: int) -> None:
+    """Drop ``done`` bytes from the front of ``views``."""
+    while done and views:
+        if done >= len(views[0]):
+            done -= len(views.pop(0))
+        else:
+            views[0] = views[0][done:]
+            done = 0
+
+
+def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """Write every buffer, in order, with as few system calls as the kernel allows (gathered)."""
+    views = [view for view in buffers if len(view)]
+    while views:
+        _advance(views, sock.sendmsg(views[:_IOV_MAX]))
+
+
+def read_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """Fill every buffer, in order, scattering each read across them."""
+    views = [view for view in buffers if len(view)]
+    while views:
+        got = sock.recvmsg_into(views[:_IOV_MAX])[0]
+        if not got:
+            raise ConnectionError("the peer closed the connection")
+        _advance(views, got)
 
 
 def read_message(sock: socket.socket) -> bytes:
@@ -257,8 +285,7 @@ class Transport:
                 write_message(sock, header)
                 pieces = [layer[start : start + count] for layer in layers]
                 if self._backend == "tcp":
-                    for piece in pieces:
-                        sock.sendall(_bytes_of(piece))
+                    send_buffers(sock, [_bytes_of(piece) for piece in pieces])
                 else:
                     group = self._groups[target][1]
                     works = [group.send([piece], 1, tag) for tag, piece in enumerate(pieces)]
@@ -320,8 +347,7 @@ class Receiver:
         """Fill ``into`` (one tensor per layer) with the chunk's data. Any failure leaves the
         connection out of step: the caller closes it."""
         if not header.via:
-            for tensor in into:
-                read_exactly(self.sock, _bytes_of(tensor))
+            read_buffers(self.sock, [_bytes_of(tensor) for tensor in into])
             return
         if self._group is None:
             raise ConnectionError(f"no {header.via} group with this source")
