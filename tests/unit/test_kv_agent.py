@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_engine.kv.agent import KvAgent, Load, TableUpdate, _runs
 from shoal_engine.kv.transport import chunks
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
@@ -128,6 +128,11 @@ def test_block_ids_are_sent_in_runs_of_consecutive_ids() -> None:
     ]
     assert list(chunks(list(range(5)), 8)) == [(0, 0, 5)]
     assert list(chunks([], 8)) == []
+
+
+def test_injection_copies_runs_of_consecutive_blocks() -> None:
+    assert _runs([(0, 5), (1, 6), (2, 9), (3, 10), (5, 11)]) == [(0, 5, 2), (2, 9, 2), (5, 11, 1)]
+    assert _runs([]) == []
 
 
 def test_nccl_is_refused_without_a_gpu_kv_cache(tmp_path: Path) -> None:

@@ -189,6 +189,7 @@ class KvAgent:
     def inject(self, load: Load) -> int:
         """Copy staged blocks of ``load.migration_id`` into the request's blocks; returns the
         number of blocks loaded. Blocks with no staged data are reported as load errors."""
+        started = time.perf_counter()
         with self._lock:
             staged = self._staging.pop(load.migration_id, None)
         try:
@@ -196,6 +197,12 @@ class KvAgent:
         finally:
             if staged is not None:
                 self._give_back(staged)
+        logger.info(
+            "migration %s: injected %d blocks in %.1f ms",
+            load.migration_id,
+            done,
+            (time.perf_counter() - started) * 1000,
+        )
         return done
 
     def _inject(self, load: Load, staged: _Staged | None) -> int:
@@ -206,10 +213,11 @@ class KvAgent:
                 picks = [b for b in range(first, first + count) if b in wanted and b not in done]
                 if not picks:
                     continue
-                src = torch.tensor([b - first for b in picks], dtype=torch.long)
-                dst = torch.tensor([load.block_ids[b - load.first_block] for b in picks], dtype=torch.long)
-                for tensor, staged_layer in zip(self._layers, data, strict=True):
-                    tensor.index_copy_(0, dst, staged_layer.index_select(0, src))
+                # Plain slice copies over runs where both sides' blocks are consecutive (vLLM
+                # mostly hands out runs): several times faster than index_select + index_copy_.
+                for src, dst, n in _runs([(b - first, load.block_ids[b - load.first_block]) for b in picks]):
+                    for tensor, staged_layer in zip(self._layers, data, strict=True):
+                        tensor[dst : dst + n].copy_(staged_layer[src : src + n])
                 done.update(picks)
         missing = [load.block_ids[b - load.first_block] for b in wanted if b not in done]
         if missing:
@@ -416,6 +424,8 @@ class KvAgent:
                 write_message(conn, ack)
                 if not in_step:
                     break
+        except EOFError:
+            pass  # the source closed its end between messages
         except (OSError, RuntimeError, ValueError, msgspec.DecodeError) as exc:
             if not self._stop.is_set():
                 logger.warning("KV agent: dropped a source connection: %s", exc)
@@ -482,6 +492,18 @@ class KvAgent:
                 self._give_back(self._staging.pop(migration_id))
         for migration_id in stale:
             logger.warning("freed staging of migration %s: its request never arrived", migration_id)
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Group ``(source index, destination index)`` pairs into ``(source, destination, length)``
+    runs in which both indices go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
 
 
 def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:

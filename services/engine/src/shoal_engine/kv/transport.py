@@ -167,8 +167,12 @@ def read_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
 
 
 def read_message(sock: socket.socket) -> bytes:
+    """One length-prefixed message; ``EOFError`` when the peer closed between messages."""
     length = bytearray(_LENGTH.size)
-    read_exactly(sock, memoryview(length))
+    got = sock.recv_into(length)
+    if not got:
+        raise EOFError
+    read_exactly(sock, memoryview(length)[got:])
     (size,) = _LENGTH.unpack(length)
     if size > _MAX_HEADER:
         raise ConnectionError(f"a {size}-byte header is not a KV data message")
