@@ -1,13 +1,15 @@
 """KV-transfer wire contracts: the engine service <-> its KV agent, and agent <-> agent.
 
-Every engine's vLLM worker runs a KV agent (``shoal_engine.kv.agent``) with two ZeroMQ sockets:
+Every engine's vLLM worker runs a KV agent (``shoal_engine.kv.agent``) with two sockets:
 
-* a control socket (REP) for its own engine service: send a request's blocks to another
-  engine, free a staging area, read blocks back (tests compare them byte for byte);
-* a data socket (ROUTER) where other agents push staged blocks: one ``StageHeader`` frame, then
-  one frame per layer holding the chunk's blocks of that layer (or, with ``via`` set, nothing
-  more: the layers come over the pair's torch.distributed group, made by a ``PairJoin``
-  first), answered by one ``StageAck``.
+* a control socket (ZeroMQ REP) for its own engine service: send a request's blocks to another
+  engine, open a link ahead of time, free a staging area, read blocks back (tests compare them
+  byte for byte);
+* a data socket (a TCP or Unix stream) where other agents push staged blocks: each message is
+  a 4-byte big-endian length and a ``DataMessage``. A ``StageHeader`` is followed by the chunk's
+  bytes, one layer after the other (or, with ``via`` set, by nothing: the layers come over the
+  pair's torch.distributed group, made by a ``PairJoin`` first), and answered by one
+  length-prefixed ``StageAck``.
 
 msgspec only, never pickle. Every message is a tagged struct, so one decoder reads the union.
 """
