@@ -15,8 +15,8 @@ import pytest
 import torch
 import zmq
 
-from shoal_engine.kv.agent import KvAgent, Load, TableUpdate, _runs
-from shoal_engine.kv.transport import chunks
+from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_engine.kv.transport import runs
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
@@ -119,20 +119,20 @@ def test_full_blocks_go_over_unchanged_and_are_injected(any_pair: Pair) -> None:
 
 
 def test_block_ids_are_sent_in_runs_of_consecutive_ids() -> None:
-    assert list(chunks([9, 3, 4, 5, 0, 12, 13], 2)) == [
+    assert runs(list(enumerate([9, 3, 4, 5, 0, 12, 13])), 2) == [
         (0, 9, 1),
         (1, 3, 2),
         (3, 5, 1),
         (4, 0, 1),
         (5, 12, 2),
     ]
-    assert list(chunks(list(range(5)), 8)) == [(0, 0, 5)]
-    assert list(chunks([], 8)) == []
+    assert runs(list(enumerate(range(5))), 8) == [(0, 0, 5)]
+    assert runs([], 8) == []
 
 
 def test_injection_copies_runs_of_consecutive_blocks() -> None:
-    assert _runs([(0, 5), (1, 6), (2, 9), (3, 10), (5, 11)]) == [(0, 5, 2), (2, 9, 2), (5, 11, 1)]
-    assert _runs([]) == []
+    assert runs([(0, 5), (1, 6), (2, 9), (3, 10), (5, 11)]) == [(0, 5, 2), (2, 9, 2), (5, 11, 1)]
+    assert runs([]) == []
 
 
 def test_nccl_is_refused_without_a_gpu_kv_cache(tmp_path: Path) -> None:

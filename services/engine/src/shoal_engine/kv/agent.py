@@ -38,6 +38,7 @@ from shoal_engine.kv.transport import (
     host_of,
     listen,
     read_message,
+    runs,
     write_message,
 )
 from shoal_protos import kv
@@ -215,7 +216,7 @@ class KvAgent:
                     continue
                 # Plain slice copies over runs where both sides' blocks are consecutive (vLLM
                 # mostly hands out runs): several times faster than index_select + index_copy_.
-                for src, dst, n in _runs([(b - first, load.block_ids[b - load.first_block]) for b in picks]):
+                for src, dst, n in runs([(b - first, load.block_ids[b - load.first_block]) for b in picks]):
                     for tensor, staged_layer in zip(self._layers, data, strict=True):
                         tensor[dst : dst + n].copy_(staged_layer[src : src + n])
                 done.update(picks)
@@ -401,7 +402,6 @@ class KvAgent:
                 continue
             except OSError:
                 break
-            conn.settimeout(None)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
@@ -492,18 +492,6 @@ class KvAgent:
                 self._give_back(self._staging.pop(migration_id))
         for migration_id in stale:
             logger.warning("freed staging of migration %s: its request never arrived", migration_id)
-
-
-def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Group ``(source index, destination index)`` pairs into ``(source, destination, length)``
-    runs in which both indices go up by one."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((src, dst, 1))
-    return runs
 
 
 def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:

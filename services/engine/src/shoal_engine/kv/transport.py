@@ -33,7 +33,6 @@ import os
 import socket
 import struct
 import uuid
-from collections.abc import Iterator
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -75,21 +74,19 @@ class KvTransport(Protocol):
     def close(self) -> None: ...
 
 
-def chunks(block_ids: list[int], max_blocks: int) -> Iterator[tuple[int, int, int]]:
-    """Split a request's block ids into runs of consecutive ids of at most ``max_blocks``:
-    ``(index of the run's first block in the request, first block id, number of blocks)``."""
-    index = 0
-    while index < len(block_ids):
-        start = block_ids[index]
-        count = 1
-        while (
-            count < max_blocks
-            and index + count < len(block_ids)
-            and block_ids[index + count] == start + count
-        ):
-            count += 1
-        yield index, start, count
-        index += count
+def runs(pairs: list[tuple[int, int]], limit: int = 1 << 30) -> list[tuple[int, int, int]]:
+    """Group ``(a, b)`` index pairs into ``(first a, first b, length)`` runs of at most ``limit``
+    in which both indices go up by one. With ``enumerate(block_ids)`` as the pairs: a request's
+    chunks, ``(index in the request, first block id, number of blocks)``."""
+    grouped: list[tuple[int, int, int]] = []
+    for a, b in pairs:
+        if grouped:
+            first_a, first_b, length = grouped[-1]
+            if length < limit and first_a + length == a and first_b + length == b:
+                grouped[-1] = (first_a, first_b, length + 1)
+                continue
+        grouped.append((a, b, 1))
+    return grouped
 
 
 def host_of(address: str) -> str:
@@ -131,14 +128,6 @@ def write_message(sock: socket.socket, message: kv.StageHeader | kv.PairJoin | k
     sock.sendall(_LENGTH.pack(len(body)) + body)
 
 
-def read_exactly(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        got = sock.recv_into(view)
-        if not got:
-            raise ConnectionError("the peer closed the connection")
-        view = view[got:]
-
-
 def _advance(views: list[memoryview], done: int) -> None:
     """Drop ``done`` bytes from the front of ``views``."""
     while done and views:
@@ -172,12 +161,12 @@ def read_message(sock: socket.socket) -> bytes:
     got = sock.recv_into(length)
     if not got:
         raise EOFError
-    read_exactly(sock, memoryview(length)[got:])
+    read_buffers(sock, [memoryview(length)[got:]])
     (size,) = _LENGTH.unpack(length)
     if size > _MAX_HEADER:
         raise ConnectionError(f"a {size}-byte header is not a KV data message")
     body = bytearray(size)
-    read_exactly(sock, memoryview(body))
+    read_buffers(sock, [memoryview(body)])
     return bytes(body)
 
 
@@ -278,7 +267,8 @@ class Transport:
         per_block = len(layers) * layers[0].shape[1]
         sent = messages = 0
         try:
-            for index, start, count in chunks(block_ids, max(1, self._chunk_bytes // per_block)):
+            limit = max(1, self._chunk_bytes // per_block)
+            for index, start, count in runs(list(enumerate(block_ids)), limit):
                 header = kv.StageHeader(
                     migration_id=migration_id,
                     first_block=first_block + index,
