@@ -158,6 +158,19 @@ async def test_expired_record_is_written_again(heartbeat: Heartbeat) -> None:
     await _until(back, 5.0, "the engine to register again")
 
 
+async def test_index_entry_removed_while_the_record_lives_comes_back(heartbeat: Heartbeat) -> None:
+    """A router that read the record expired removes the id from the index; if the engine wrote
+    its record again in between, the heartbeat alone must put the id back."""
+    client, keys = heartbeat.client, heartbeat.keys
+    await client.srem(keys.engines, "engine-hb")
+    assert await _record(client, keys) is not None  # the record never went away
+
+    async def indexed() -> bool:
+        return bool(await client.sismember(keys.engines, "engine-hb"))
+
+    await _until(indexed, 5.0, "the heartbeat to index the engine again")
+
+
 async def test_heartbeat_resumes_after_redis_froze(
     heartbeat: Heartbeat, redis_server: subprocess.Popen[bytes]
 ) -> None:

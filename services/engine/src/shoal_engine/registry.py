@@ -2,8 +2,11 @@
 
 One task on the event loop writes, every ``load_report_interval_s``, in one pipeline:
 
-* the ``LoadReport`` under ``load:<id>``, expiring after the heartbeat TTL, and
-* a fresh TTL on the ``EngineRecord`` under ``engine:<id>`` (the heartbeat).
+* the ``LoadReport`` under ``load:<id>``, expiring after the heartbeat TTL,
+* a fresh TTL on the ``EngineRecord`` under ``engine:<id>`` (the heartbeat), and
+* its id into the ``engines`` index set. A router that found the record expired removes the id
+  from the index; if the engine wrote its record again in between, the next tick puts the id
+  back, so a live engine never stays out of the index.
 
 If the process dies, both keys expire within the TTL and routers stop dispatching to it. A Redis
 outage does not stop serving: the failed write is counted and logged, and the next tick retries.
@@ -77,11 +80,11 @@ class EngineRegistration:
                 async with self._client.pipeline(transaction=False) as pipe:
                     pipe.set(load_key, json_encoder.encode(report), px=self._ttl_ms)
                     pipe.pexpire(engine_key, self._ttl_ms)
-                    _, renewed = await pipe.execute()
+                    pipe.sadd(self._keys.engines, engine_id)
+                    _, renewed, _ = await pipe.execute()
                 if not renewed:
                     # The record expired (Redis restarted or we stalled past the TTL): write it again.
                     await self._write_record()
-                    await self._client.sadd(self._keys.engines, engine_id)
                 if failing:
                     logger.info("load reports to Redis work again")
                 failing = False
