@@ -22,14 +22,25 @@ prefix cache) is moved to the other engine after ``--move-after`` output tokens,
 The client (httpx, one SSE line per token) timestamps every token. The stall of a move is the
 longest gap after the move was asked for minus the median gap of that stream (its usual
 inter-token time); beside it, the stall the target engine recorded (source's last token to
-target's first). Results go between ``<!-- migration:begin -->`` and ``<!-- migration:end -->`` of
-``docs/benchmarks.md``, with ``docs/img/migration_bandwidth.png`` and
-``docs/img/migration_stall.png``.
+target's first).
+
+**Slowdown** (same fleet): ``--bystanders`` long greedy streams decode on both engines; a request
+of each ``--slowdown-contexts`` length joins and, after ``--move-after`` tokens, is moved with
+``precopy``. Each move is paired with the same scene without a move, measured over a window as
+long as the move took. The bystanders' inter-token gaps on the source during the window (and on
+the target, 250 ms past it) are pooled over the pairs; slowdown = mean gap while moving / mean
+gap while not - 1.
+
+Every run's numbers go to ``bench/results/migration-<time>.json``; a part skipped with
+``--skip-*`` is reported from the last run that measured it. Results go between
+``<!-- migration:begin -->`` and ``<!-- migration:end -->`` of ``docs/benchmarks.md``, with
+``docs/img/migration_bandwidth.png`` and ``docs/img/migration_stall.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import random
@@ -54,6 +65,7 @@ from shoal_protos import engine_control_pb2 as pb  # noqa: E402
 from shoal_protos import kv  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "bench" / "results"  # git-ignored: every run's numbers
 BEGIN, END = "<!-- migration:begin -->", "<!-- migration:end -->"
 SMOL_LAYERS, SMOL_BLOCK_BYTES = 30, 2 * 32 * 3 * 64 * 2  # per layer: K and V, 32 tokens, 3 heads of 64, bf16
 TRANSPORTS = ("tcp", "gloo")
@@ -229,8 +241,8 @@ def stall_once(
     }
 
 
-def stall(contexts: list[int], repeats: int, move_after: int) -> tuple[list[dict[str, Any]], float]:
-    cfg = FleetConfig(
+def bench_fleet(max_model_len: int) -> FleetConfig:
+    return FleetConfig(
         model_path=ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct",
         served_model_name="SmolLM2-135M-Instruct",
         run_dir=ROOT / ".cache" / "bench" / "migration",
@@ -244,36 +256,190 @@ def stall(contexts: list[int], repeats: int, move_after: int) -> tuple[list[dict
         engine_http_base_port=28120,
         engine_control_base_port=28130,
         engine_kv_base_port=28140,
-        max_model_len=max(contexts) + move_after + 64,
+        max_model_len=max_model_len,
         kv_cache_gib=2,
         restart=False,
     )
-    fleet = Fleet(cfg, say=say)
+
+
+def stall(cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int) -> list[dict[str, Any]]:
     rows = []
-    started = time.monotonic()
-    try:
-        fleet.start()
-        fleet.wait_ready(timeout_s=600)
-        ready = time.monotonic() - started
-        rng = random.Random(0)
-        for context in contexts:
-            for mode in MODES:
-                for i in range(repeats):
-                    for _ in range(3):
-                        row = stall_once(cfg, context, mode, move_after, rng)
-                        if row is not None:
-                            break
-                        say(f"stall: context {context}, {mode}: the request was gone before the move; again")
-                    else:
-                        raise RuntimeError(f"context {context}, {mode}: no request could be moved")
-                    rows.append(row)
-                    say(
-                        f"stall: context {context}, {mode} #{i + 1}: {row['stall_ms']:.1f} ms "
-                        f"(gap {row['gap_ms']:.1f}, usual {row['itl_ms']:.1f}, {row['bytes'] / 1e6:.1f} MB)"
-                    )
-    finally:
-        fleet.stop()
-    return rows, ready
+    rng = random.Random(0)
+    for context in contexts:
+        for mode in MODES:
+            for i in range(repeats):
+                for _ in range(3):
+                    row = stall_once(cfg, context, mode, move_after, rng)
+                    if row is not None:
+                        break
+                    say(f"stall: context {context}, {mode}: the request was gone before the move; again")
+                else:
+                    raise RuntimeError(f"context {context}, {mode}: no request could be moved")
+                rows.append(row)
+                say(
+                    f"stall: context {context}, {mode} #{i + 1}: {row['stall_ms']:.1f} ms "
+                    f"(gap {row['gap_ms']:.1f}, usual {row['itl_ms']:.1f}, {row['bytes'] / 1e6:.1f} MB)"
+                )
+    return rows
+
+
+# ---- slowdown of the other requests -------------------------------------------------------
+
+
+async def _stream_stamps(client: httpx.AsyncClient, body: dict[str, Any], out: dict[str, Any]) -> None:
+    """Stream one completion, time-stamping every token line into ``out['stamps']``."""
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        reply.raise_for_status()
+        out["engine"], out["request_id"] = (
+            reply.headers["x-shoal-engine"],
+            reply.headers["x-shoal-request-id"],
+        )
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {"):
+                out["stamps"].append(time.perf_counter())
+
+
+async def _until(check: Any, deadline_s: float, what: str) -> None:
+    end = time.monotonic() + deadline_s
+    while not check():
+        if time.monotonic() > end:
+            raise TimeoutError(f"waited {deadline_s:.0f} s for {what}")
+        await asyncio.sleep(0.005)
+
+
+def _window_gaps(stamps: list[float], start: float, end: float) -> list[float]:
+    return [(b - a) * 1000 for a, b in itertools.pairwise(stamps) if start <= b <= end]
+
+
+async def slowdown_trial(
+    cfg: FleetConfig,
+    context: int,
+    move_after: int,
+    bystanders: int,
+    window_s: float | None,
+    rng: random.Random,
+) -> dict[str, Any] | None:
+    """``bystanders`` long streams decode on both engines; a request of ``context`` tokens joins
+    and, after ``move_after`` tokens, is moved to the other engine (``window_s`` None) or left
+    where it is for ``window_s`` (the baseline). Returns the bystanders' inter-token gaps on the
+    request's engine (source) and on the other one (target) during that window."""
+    import redis
+
+    from shoal_protos.records import Keys, engine_record_decoder
+
+    def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        return {
+            "model": cfg.served_model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as client:
+        others = [{"stamps": []} for _ in range(bystanders)]
+        tasks = [
+            asyncio.create_task(
+                _stream_stamps(client, body([rng.randrange(100, 40000) for _ in range(16)], 4000), o)
+            )
+            for o in others
+        ]
+        mover: dict[str, Any] = {"stamps": []}
+        try:
+            await _until(lambda: all(len(o["stamps"]) >= 4 for o in others), 120, "the bystanders to decode")
+            prompt = [rng.randrange(100, 40000) for _ in range(context)]
+            tasks.append(asyncio.create_task(_stream_stamps(client, body(prompt, move_after + 400), mover)))
+            await _until(lambda: len(mover["stamps"]) >= move_after, 300, "the request to decode")
+            source = mover["engine"]
+            target = "engine-1" if source == "engine-0" else "engine-0"
+            start = time.perf_counter()
+            if window_s is None:
+                import grpc
+
+                from shoal_protos import engine_control_pb2_grpc as pb_grpc
+
+                record = engine_record_decoder.decode(
+                    redis.Redis.from_url(cfg.redis_url).get(Keys(cfg.cluster).engine(source))
+                )
+                stub = pb_grpc.EngineControlStub(grpc.insecure_channel(record.control_address))
+                request = pb.MigrateRequest(
+                    request_id=mover["request_id"], target_engine_id=target, mode=pb.PRECOPY
+                )
+                result = await asyncio.to_thread(stub.Migrate, request, timeout=120)
+                if result.outcome != pb.MIGRATED:
+                    return None
+            else:
+                await asyncio.sleep(window_s)  # the baseline's measuring window: nothing moves
+            end = time.perf_counter()
+            # The target's cost (injecting, admitting) comes at the end of the move: look a bit past it.
+            await asyncio.sleep(0.25)
+            tail = end + 0.25
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return {
+        "context": context,
+        "moved": window_s is None,
+        "window_s": end - start,
+        "source_gaps": [
+            g for o in others if o.get("engine") == source for g in _window_gaps(o["stamps"], start, end)
+        ],
+        "target_gaps": [
+            g for o in others if o.get("engine") == target for g in _window_gaps(o["stamps"], start, tail)
+        ],
+    }
+
+
+def slowdown(
+    cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int, bystanders: int
+) -> list[dict[str, Any]]:
+    """Pairs of trials: a move, then the same scene without the move over a window as long."""
+    rows = []
+    rng = random.Random(1)
+    for context in contexts:
+        for i in range(repeats):
+            moved = None
+            for _ in range(3):
+                moved = asyncio.run(slowdown_trial(cfg, context, move_after, bystanders, None, rng))
+                if moved is not None:
+                    break
+            if moved is None:
+                raise RuntimeError(f"slowdown, context {context}: no request could be moved")
+            stayed = asyncio.run(slowdown_trial(cfg, context, move_after, bystanders, moved["window_s"], rng))
+            assert stayed is not None
+            rows += [moved, stayed]
+            say(
+                f"slowdown: context {context} #{i + 1}: source gaps {_mean(moved['source_gaps']):.1f} ms "
+                f"moving vs {_mean(stayed['source_gaps']):.1f} ms not "
+                f"({moved['window_s'] * 1000:.0f} ms window)"
+            )
+    return rows
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for context in sorted({r["context"] for r in rows}):
+
+        def pooled(key: str, moved: bool, c: int = context) -> list[float]:
+            return [g for r in rows if r["context"] == c and r["moved"] is moved for g in r[key]]
+
+        row: dict[str, Any] = {
+            "context": context,
+            "trials": sum(1 for r in rows if r["context"] == context) // 2,
+        }
+        for side in ("source", "target"):
+            moving, still = pooled(f"{side}_gaps", True), pooled(f"{side}_gaps", False)
+            row[f"{side}_moving_ms"], row[f"{side}_still_ms"] = _mean(moving), _mean(still)
+            row[f"{side}_gaps"] = (len(moving), len(still))
+            row[f"{side}_slowdown"] = _mean(moving) / _mean(still) - 1
+        out.append(row)
+    return out
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -325,7 +491,11 @@ def plots(bw: list[dict[str, Any]], stalls: list[dict[str, Any]]) -> None:
 
 
 def section(
-    bw: list[dict[str, Any]], stalls: list[dict[str, Any]], args: argparse.Namespace, note: str
+    bw: list[dict[str, Any]],
+    stalls: list[dict[str, Any]],
+    slow: list[dict[str, Any]],
+    args: argparse.Namespace,
+    note: str,
 ) -> str:
     lines = [
         BEGIN,
@@ -384,8 +554,38 @@ def section(
                 f"{med('precopy', 'bytes') / 1e6:.1f} MB | {med('precopy', 'itl_ms'):.1f} ms |"
             )
         lines += ["", "![stall](img/migration_stall.png)", ""]
+    if slow:
+        lines += [
+            f"**Slowdown of the other requests.** {args.bystanders} other greedy streams decode on the "
+            "two engines while a request of the given context is moved (precopy) after "
+            f"{args.move_after} tokens; beside it, in the same run, the same scene with no move over a "
+            "window as long (the pairs alternate). Shown: the other streams' mean inter-token gap on the "
+            "source during the move and on the target during the move and 250 ms after it (the target "
+            "injects and admits at the end), pooled over the trials (target: source slowdown <= 5 %).",
+            "",
+            "| context | pairs | source, moving | source, not | source slowdown "
+            "| target, moving | target, not | target slowdown |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|",
+        ]
+        lines += [
+            f"| {r['context']} | {r['trials']} "
+            f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
+            f"| {100 * r['source_slowdown']:+.1f} % | {r['target_moving_ms']:.1f} ms "
+            f"| {r['target_still_ms']:.1f} ms | {100 * r['target_slowdown']:+.1f} % |"
+            for r in slow
+        ]
+        lines.append("")
     lines.append(END)
     return "\n".join(lines)
+
+
+def last_results(part: str) -> list[dict[str, Any]]:
+    for path in sorted(RESULTS.glob("migration-*.json"), reverse=True):
+        rows: list[dict[str, Any]] = json.loads(path.read_text()).get(part, [])
+        if rows:
+            say(f"{part}: numbers of {path.name} (not measured this time)")
+            return rows
+    return []
 
 
 def update_docs(text: str) -> None:
@@ -405,22 +605,52 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8000])
     parser.add_argument("--stall-repeats", type=int, default=3)
     parser.add_argument("--move-after", type=int, default=16)
+    parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[2048, 8000])
+    parser.add_argument("--slowdown-repeats", type=int, default=6)
+    parser.add_argument("--bystanders", type=int, default=4, help="other streams decoding during a move")
     parser.add_argument("--skip-stall", action="store_true")
+    parser.add_argument("--skip-slowdown", action="store_true")
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--no-docs", action="store_true", help="print the results, leave the docs alone")
     args = parser.parse_args()
     started = time.monotonic()
     bw = [] if args.skip_bandwidth else bandwidth(args.sizes_mb, args.repeats)
-    stalls, ready = (
-        ([], 0.0) if args.skip_stall else stall(args.contexts, args.stall_repeats, args.move_after)
-    )
+    stalls: list[dict[str, Any]] = []
+    slow: list[dict[str, Any]] = []
+    ready = 0.0
+    if not (args.skip_stall and args.skip_slowdown):
+        cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 400)
+        fleet = Fleet(cfg, say=say)
+        began = time.monotonic()
+        try:
+            fleet.start()
+            fleet.wait_ready(timeout_s=600)
+            ready = time.monotonic() - began
+            if not args.skip_stall:
+                stalls = stall(cfg, args.contexts, args.stall_repeats, args.move_after)
+            if not args.skip_slowdown:
+                slow = slowdown_summary(
+                    slowdown(
+                        cfg, args.slowdown_contexts, args.slowdown_repeats, args.move_after, args.bystanders
+                    )
+                )
+        finally:
+            fleet.stop()
     note = (
         f"Machine: {torch.get_num_threads()} threads, torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; fleet ready in {ready:.0f} s; "
         f"whole run {(time.monotonic() - started) / 60:.1f} min."
     )
-    text = section(bw, stalls, args, note)
-    print(json.dumps({"bandwidth": bw, "stall": stalls}, indent=1))
+    results = {"bandwidth": bw, "stall": stalls, "slowdown": slow, "note": note}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    saved = RESULTS / f"migration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    saved.write_text(json.dumps(results, indent=1))
+    say(f"results in {saved.relative_to(ROOT)}")
+    # A part skipped this time keeps its numbers from the last run that measured it.
+    for part in ("bandwidth", "stall", "slowdown"):
+        if not results[part]:
+            results[part] = last_results(part)
+    text = section(results["bandwidth"], results["stall"], results["slowdown"], args, note)
     if not args.no_docs:
         plots(bw, stalls)
         update_docs(text)

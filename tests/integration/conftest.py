@@ -115,6 +115,8 @@ def _fleets(
             running[name] = RunningFleet(fleet, cfg, redis.Redis.from_url(cfg.redis_url), Keys(cfg.cluster))
         yield running
     finally:
+        for each in running.values():
+            each.close()
         for fleet in fleets.values():
             fleet.stop()
 

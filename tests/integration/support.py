@@ -6,7 +6,7 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -59,6 +59,7 @@ class RunningFleet:
     cfg: FleetConfig
     redis: redis.Redis
     keys: Keys
+    channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -82,10 +83,19 @@ class RunningFleet:
         return httpx.get(record.http_address + "/metrics", timeout=5).text
 
     def control(self, engine_id: str) -> pb_grpc.EngineControlStub:
-        """The engine's gRPC EngineControl (migrate, drain, list migrations)."""
+        """The engine's gRPC EngineControl (migrate, drain, list migrations), over one channel
+        per address kept for the session (a fresh channel per call connects anew each time)."""
         record = self.engine_record(engine_id)
         assert record is not None and record.control_address, f"{engine_id} takes no migrations"
-        return pb_grpc.EngineControlStub(grpc.insecure_channel(record.control_address))
+        channel = self.channels.get(record.control_address)
+        if channel is None:
+            channel = self.channels[record.control_address] = grpc.insecure_channel(record.control_address)
+        return pb_grpc.EngineControlStub(channel)
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
 
     def migrate(self, request_id: str, source: str, target: str = "") -> pb.MigrationResult:
         request = pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin")

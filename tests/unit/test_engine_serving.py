@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import pytest
 
@@ -67,12 +67,12 @@ class FakeBackend:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
-    ) -> AsyncIterator[BackendOutput]:
+    ) -> AsyncGenerator[BackendOutput]:
         self.generate_calls.append((request_id, prompt_token_ids, sampling))
         queue = self._queue(request_id)
         started = self._started(request_id)
 
-        async def stream() -> AsyncIterator[BackendOutput]:
+        async def stream() -> AsyncGenerator[BackendOutput]:
             started.set()
             try:
                 while True:
@@ -85,8 +85,8 @@ class FakeBackend:
                     yield item
                     if item.finish_reason is not None:
                         return
-            except asyncio.CancelledError:
-                self.cancelled.append(request_id)
+            except (asyncio.CancelledError, GeneratorExit):
+                self.cancelled.append(request_id)  # vLLM aborts the request
                 raise
 
         return stream()
@@ -525,3 +525,49 @@ async def test_unexpected_backend_exception_still_ends_the_request(
 
     assert final.finish_reason is FinishReason.ERROR
     assert final.error is not None
+
+
+async def test_stop_for_migration_ends_right_after_the_next_output(
+    service: EngineService, backend: FakeBackend, send: FakeSend
+) -> None:
+    service.on_request(add("m"))
+    await backend.wait_started("m")
+    backend.feed("m", out([1], "a"))
+    await send.until(lambda: len(send.pieces("m")) == 1)
+
+    stopping = asyncio.create_task(service.stop_for_migration("m", align_s=WAIT_S))
+    # The stop waits for the request's next output, hands it to the client, then ends the stream.
+    await asyncio.sleep(0)
+    assert not stopping.done()
+    backend.feed("m", out([2], "b"), out([3], "c"))
+    stopped = await asyncio.wait_for(stopping, WAIT_S)
+
+    assert stopped is not None and stopped.output_ids == [1, 2]
+    assert [p.token_ids for p in send.pieces("m")] == [[1], [2]]
+    assert send.final("m") is None  # no final piece: the request goes on elsewhere
+    assert backend.cancelled == ["m"] and service.num_requests == 0
+
+
+async def test_stop_for_migration_of_a_silent_request_stops_it_where_it_is(
+    service: EngineService, backend: FakeBackend, send: FakeSend
+) -> None:
+    service.on_request(add("q"))
+    await backend.wait_started("q")
+    # No output comes (it waits in vLLM's queue): the stop gives up waiting and cancels it.
+    stopped = await service.stop_for_migration("q", align_s=0.05)
+    assert stopped is not None and stopped.output_ids == []
+    assert send.final("q") is None and backend.cancelled == ["q"]
+
+
+async def test_client_abort_while_stopping_for_migration_ends_the_request(
+    service: EngineService, backend: FakeBackend, send: FakeSend
+) -> None:
+    service.on_request(add("c"))
+    await backend.wait_started("c")
+    stopping = asyncio.create_task(service.stop_for_migration("c", align_s=WAIT_S))
+    await asyncio.sleep(0)
+    service.on_request(AbortRequest(["c"], "client left"))
+    # No migration of a request whose client left: it ends with its abort piece.
+    assert await asyncio.wait_for(stopping, WAIT_S) is None
+    final = await send.wait_final("c")
+    assert final.finish_reason == FinishReason.ABORT

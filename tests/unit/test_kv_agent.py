@@ -180,19 +180,45 @@ def test_blocks_never_staged_are_load_errors(pair: Pair) -> None:
     assert pair.target.take_load_errors() == {3, 4}
 
 
-def test_partial_block_goes_only_once_the_held_request_stopped(pair: Pair) -> None:
+def test_partial_block_goes_only_for_a_held_request(pair: Pair) -> None:
     _run(pair.source, "r", [1, 2], tokens=BLOCK + 2)
     refused = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1, partial=True))
-    assert isinstance(refused, kv.AgentError)
+    assert isinstance(refused, kv.AgentError) and "not held" in refused.message
     assert pair.call("source", kv.Hold("r")) is None
-    # vLLM finishes the (aborted) request but keeps its blocks: the agent keeps its table.
-    pair.source.update_tables([], ["r"])
-    assert pair.source.finished_sending(["r-vllm"]) == set()
+    # Held: the partly filled block goes at once, before vLLM has taken in the stop (the step
+    # it may still run writes past the BLOCK + 2 tokens sent).
     sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1, partial=True))
     assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (2, 1)
+    assert sent.tokens_written == BLOCK + 2
+    # vLLM finishes the (aborted) request but keeps its blocks while it is held.
+    pair.source.update_tables([], ["r"])
+    assert pair.source.finished_sending(["r-vllm"]) == set()
     assert pair.call("source", kv.Release("r")) is None
     # Released: vLLM may free the blocks now.
     assert pair.source.finished_sending([]) == {"r-vllm"}
+
+
+def test_request_preempted_during_a_send_fails_it(pair: Pair) -> None:
+    _run(pair.source, "r", [1, 2, 3], tokens=3 * BLOCK)
+    transport = pair.source._transport
+    real_send = transport.send
+
+    def preempted_midway(*args: object, **kwargs: object) -> int:
+        # vLLM preempts the request while its bytes are on the way: the blocks may be reused.
+        pair.source.update_tables([], [], ["r"])
+        return real_send(*args, **kwargs)  # type: ignore[arg-type]
+
+    transport.send = preempted_midway  # type: ignore[method-assign]
+    failed = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
+    assert isinstance(failed, kv.AgentError) and "preempted" in failed.message
+    transport.send = real_send  # type: ignore[method-assign]
+    # Preempted, it has no blocks until it resumes with a new table: nothing to send.
+    sent = pair.call("source", kv.SendBlocks("r", "m2", pair.addresses["td"], 0))
+    assert isinstance(sent, kv.SentBlocks) and sent.blocks == 0 and sent.tokens_written == 0
+    # Resumed with new blocks, it sends what the new steps wrote.
+    _run(pair.source, "r", [7, 8], tokens=2 * BLOCK)
+    sent = pair.call("source", kv.SendBlocks("r", "m3", pair.addresses["td"], 0))
+    assert isinstance(sent, kv.SentBlocks) and sent.blocks == 2
 
 
 def test_unheld_aborted_requests_free_their_blocks_at_once(pair: Pair) -> None:

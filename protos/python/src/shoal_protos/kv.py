@@ -30,7 +30,8 @@ class SendBlocks(_Tagged):
     """Send blocks ``[first_block, ...)`` of a request to ``target`` (an agent's data address)
     into staging area ``migration_id``: the blocks full when the call runs (they never change
     again, so they go while the request decodes), and with ``partial`` its last, partly
-    filled block too (only once the request is stopped and held)."""
+    filled block too (only for a request stopped and held: the step vLLM may still run for it
+    writes past the tokens sent). A send during which vLLM preempted the request fails."""
 
     request_id: str
     migration_id: str

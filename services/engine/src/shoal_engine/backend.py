@@ -6,7 +6,7 @@ with vLLM's public ``AsyncLLM``; tests of the service's own logic can plug in so
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,8 +57,9 @@ class EngineBackend(Protocol):
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
-    ) -> AsyncIterator[BackendOutput]:
-        """Stream a request's output. Cancelling the iteration aborts the request.
+    ) -> AsyncGenerator[BackendOutput]:
+        """Stream a request's output. Cancelling the iteration, or closing the stream early,
+        aborts the request.
         ``kv_params`` are for the KV connector (a migrated request's staged KV)."""
         ...
 

@@ -247,12 +247,12 @@ class MigrationManager:
                     or result.stages >= config.migration_max_stages
                 ):
                     break
-            # Stop at a step boundary with the blocks kept, send what is left (the last block
-            # partly filled), then let vLLM free them.
+            # Stop right after an output with the blocks kept, send what is left (the last
+            # block partly filled) at once, then let vLLM free them.
             await self._agent.call(kv.Hold(request_id=request_id, hold_s=timeout))
-            stop_at = time.perf_counter()
+            stop_wall = time.time()
             try:
-                stopped = await self._service.stop_for_migration(request_id)
+                stopped = await self._service.stop_for_migration(request_id, align_s=timeout / 2)
                 if stopped is None:
                     raise _GoneError
                 sent = kv.SentBlocks(next_block=0, blocks=0, bytes=0, seconds=0.0, tokens_written=0)
@@ -286,7 +286,8 @@ class MigrationManager:
             )
             if not committed.accepted:
                 raise MigrationError(f"target refused the commit: {committed.detail}")
-            result.downtime_ms = (time.perf_counter() - stop_at) * 1000
+            # From the source's last token (or the stop, if none came) to the target taking over.
+            result.downtime_ms = (time.time() - max(stopped.last_output_at, stop_wall)) * 1000
             self._service.hand_over(add, target.engine_id, add.generation)
             stopped = None
             await self._record_owner(add, target.engine_id)

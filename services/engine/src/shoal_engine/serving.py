@@ -57,8 +57,12 @@ class _Running:
     # Output tokens of this request so far, those it arrived with included.
     output_ids: list[int] = field(default_factory=list)
     final: RequestPiece | None = None
-    # Set by stop_for_migration: the task ends without a final piece.
+    # Set by stop_for_migration: the task ends without a final piece, right after its next
+    # output (``stop_at_output``) or when cancelled.
     migrating: bool = False
+    stop_at_output: bool = False
+    # The request stopped here to go on elsewhere (its stream was closed for the migration).
+    handed_off: bool = False
     # Wall-clock time of the latest output tokens (a migration's target measures its client's
     # gap from the source's last one).
     last_output_at: float = 0.0
@@ -184,17 +188,23 @@ class EngineService:
         running.task.cancel()
         return True
 
-    async def stop_for_migration(self, request_id: str) -> StoppedRequest | None:
-        """Stop a request at a step boundary without a final piece. None if it is not running
+    async def stop_for_migration(self, request_id: str, align_s: float = 1.0) -> StoppedRequest | None:
+        """Stop a request without a final piece, right after its next output (waiting at most
+        ``align_s``): the client's gap then starts at its last token, and the step vLLM still
+        runs for it before the abort lands overlaps the hand-over. None if it is not running
         (it finished, was aborted, or is already moving)."""
         running = self._running.get(request_id)
         if running is None or running.task is None or running.migrating or running.final is not None:
             return None
-        running.migrating = True
-        running.task.cancel()
-        await asyncio.wait([running.task])
-        if running.final is not None:
-            # It finished in the same step; the final piece went out as usual.
+        running.migrating = running.stop_at_output = True
+        done, _ = await asyncio.wait([running.task], timeout=align_s)
+        if not done and running.final is None:
+            # No output in time (it waits in vLLM's queue): stop it where it is.
+            running.handed_off = True
+            running.task.cancel()
+            await asyncio.wait([running.task])
+        if running.final is not None or running.abort_reason:
+            # It finished meanwhile (its final piece went out as usual), or its client left.
             return None
         return StoppedRequest(running.add, list(running.output_ids), running.last_output_at)
 
@@ -240,6 +250,12 @@ class EngineService:
                 piece.num_prompt_tokens = len(add.prompt_token_ids)
                 running.final = piece
             self._emit(add.reply_to, piece)
+            if running.stop_at_output and running.final is None and out.token_ids:
+                # Stopping for a migration: end here, after the piece just sent.
+                running.handed_off = True
+                break
+        if running.handed_off:
+            await stream.aclose()  # vLLM aborts the request (its blocks are held for the move)
 
     def _done(self, running: _Running, task: asyncio.Task[None]) -> None:
         """Runs when a request's task ends in any way, even cancelled before it started, so
@@ -247,7 +263,7 @@ class EngineService:
         add = running.add
         final = running.final
         self._metrics.output_tokens.inc(running.produced)
-        if running.migrating and final is None and task.cancelled():
+        if running.handed_off and final is None and not running.abort_reason:
             self._metrics.finished("migrated")
         else:
             if final is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from vllm import SamplingParams, TokensPrompt
 from vllm.config import KVTransferConfig, VllmConfig
@@ -129,7 +129,7 @@ class VllmBackend:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
-    ) -> AsyncIterator[BackendOutput]:
+    ) -> AsyncGenerator[BackendOutput]:
         assert self._llm is not None, "start() first"
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         try:
@@ -139,15 +139,21 @@ class VllmBackend:
                 # The KV connector knows requests by Shoal's id (vLLM adds a suffix to its own).
                 shoal = {"id": request_id, **(kv_params or {})}
                 params.extra_args = {"kv_transfer_params": {PARAMS_KEY: shoal}}
-            async for out in self._llm.generate(prompt, params, request_id):
-                completion = out.outputs[0]
-                reason = completion.finish_reason
-                yield BackendOutput(
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
-                    finish_reason=_FINISH_REASONS.get(reason) if reason else None,
-                    stop_reason=completion.stop_reason,
-                )
+            outputs = self._llm.generate(prompt, params, request_id)
+            try:
+                async for out in outputs:
+                    completion = out.outputs[0]
+                    reason = completion.finish_reason
+                    yield BackendOutput(
+                        token_ids=list(completion.token_ids),
+                        text=completion.text,
+                        finish_reason=_FINISH_REASONS.get(reason) if reason else None,
+                        stop_reason=completion.stop_reason,
+                    )
+            finally:
+                # Closing this stream early closes vLLM's at once, which aborts the request
+                # there (rather than whenever the garbage collector gets to it).
+                await outputs.aclose()
         except EngineDeadError as exc:
             raise BackendDeadError(str(exc) or "vLLM engine core died") from exc
         except (VLLMClientError, GracefulHTTPError, ValueError) as exc:

@@ -14,7 +14,12 @@ block ids and how many tokens of KV have been written. Two threads serve the res
   after ``staging_ttl_s``.
 
 Full blocks never change once written, so they are read while the model keeps decoding; the
-engine step only ever writes a request's last, partial block.
+engine step only ever writes a request's last, partial block, past the tokens already written.
+So a stopped request's blocks go over at once, without waiting for vLLM to take in the stop:
+the one step it may still run writes past what is sent. What can change blocks under a send is a
+preemption (vLLM frees the blocks and may hand them to another request in the same step): the
+connector reports preemptions, and a send during which its request was preempted or given a new
+table fails instead of delivering bytes that may have been overwritten.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ from shoal_protos import kv
 
 logger = logging.getLogger(__name__)
 
-_STOP_WAIT_S = 5.0
 # A chunk bigger than this (about 1 GiB for SmolLM2) is not a chunk a sane source sends.
 _MAX_CHUNK_BLOCKS = 2048
 
@@ -57,6 +61,8 @@ class _Table:
     tokens_written: int = 0
     # vLLM finished the request but keeps its blocks until we say the send is over.
     stopped: bool = False
+    # Bumped when vLLM preempts the request (its blocks are freed and may be reused at once).
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -113,7 +119,6 @@ class KvAgent:
         self._chunk_blocks = max(1, chunk_bytes // self.bytes_per_block)
         self._staging_ttl_s = staging_ttl_s
         self._lock = threading.Lock()
-        self._stopped = threading.Condition(self._lock)
         self._tables: dict[str, _Table] = {}
         self._staging: dict[str, _Staged] = {}
         self._load_errors: set[int] = set()
@@ -162,14 +167,21 @@ class KvAgent:
 
     # ---- called by the connector on the worker's main thread ------------------------------
 
-    def update_tables(self, updates: list[TableUpdate], finished: list[str]) -> None:
+    def update_tables(
+        self, updates: list[TableUpdate], finished: list[str], preempted: list[str] | None = None
+    ) -> None:
         with self._lock:
+            for request_id in preempted or ():
+                table = self._tables.get(request_id)
+                if table is not None:
+                    # Its blocks are free now; it starts over with a new table when it resumes.
+                    table.block_ids, table.tokens_written = [], 0
+                    table.epoch += 1
             # Finished first: a request that left and came back in one step has a new table.
             for request_id in finished:
                 table = self._tables.get(request_id)
                 if table is not None and request_id in self._holds:
                     table.stopped = True  # vLLM keeps its blocks until we release them
-                    self._stopped.notify_all()
                 else:
                     self._tables.pop(request_id, None)
             for update in updates:
@@ -352,26 +364,20 @@ class KvAgent:
     def _send_blocks(self, command: kv.SendBlocks) -> kv.AgentReply:
         started = time.perf_counter()
         with self._lock:
+            if command.partial and command.request_id not in self._holds:
+                return kv.AgentError(
+                    message=f"request {command.request_id} is not held: its last block is still written"
+                )
             table = self._tables.get(command.request_id)
-            if command.partial and command.request_id in self._holds:
-                # The abort reaches vLLM's scheduler a step later: wait until it stopped.
-                deadline = time.monotonic() + _STOP_WAIT_S
-                while (table is None or not table.stopped) and time.monotonic() < deadline:
-                    self._stopped.wait(deadline - time.monotonic())
-                    table = self._tables.get(command.request_id)
             if table is None:
                 # Not scheduled yet (it just arrived, or waits in vLLM's queue): no KV to send;
                 # the target computes it all.
                 return kv.SentBlocks(
                     next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=0
                 )
-            written = table.tokens_written
-            if command.partial and not table.stopped:
-                return kv.AgentError(
-                    message=f"request {command.request_id} did not stop within {_STOP_WAIT_S} s"
-                )
-            # A partly filled block is sent only once the request is stopped: until then the
-            # next step writes into it.
+            written, epoch = table.tokens_written, table.epoch
+            # The partly filled last block goes only for a stopped (held) request: the step it
+            # may still run writes past ``written``, which the target computes again itself.
             blocks = -(-written // self.block_size) if command.partial else written // self.block_size
             last = min(blocks, len(table.block_ids), command.first_block + command.max_blocks)
             ids = table.block_ids[command.first_block : last]
@@ -382,6 +388,11 @@ class KvAgent:
         sent = self._transport.send(
             command.target, command.migration_id, command.first_block, ids, self._layers
         )
+        with self._lock:
+            if self._tables.get(command.request_id) is not table or table.epoch != epoch:
+                return kv.AgentError(
+                    message=f"request {command.request_id} was preempted while its blocks were sent"
+                )
         return kv.SentBlocks(
             next_block=command.first_block + len(ids),
             blocks=len(ids),

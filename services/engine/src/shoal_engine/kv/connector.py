@@ -16,6 +16,9 @@ Scheduler side, every step (``build_connector_meta``):
     reports them free: a migration stops its request with an abort, then copies its last,
     partly filled block.
 
+  * the requests it preempted: their blocks are free again, so a send of them must not be
+    trusted (the agent fails it).
+
 Worker side: ``start_load_kv`` hands table updates to the KV agent and injects the step's loads
 (vLLM runs it before the forward pass when a step has synchronous loads; the staged bytes are
 already in this process); ``wait_for_save`` tells the agent which tokens' KV the forward pass
@@ -60,6 +63,8 @@ class ShoalConnectorMetadata(KVConnectorMetadata):
     # until the worker reports them (aborted requests: one may be a migration's stop).
     finished: list[str] = field(default_factory=list)
     delayed: list[str] = field(default_factory=list)
+    # Shoal ids of requests vLLM preempted this step (their blocks are free again).
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -163,6 +168,10 @@ class ShoalConnector(KVConnectorBase_V1):
                     cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
                 )
             )
+        for req_id in scheduler_output.preempted_req_ids or ():
+            shoal_id = self._ids.get(req_id)
+            if shoal_id is not None:
+                meta.preempted.append(shoal_id)
         for req_id in scheduler_output.finished_req_ids:
             shoal_id = self._ids.pop(req_id, None)
             self._loads.pop(req_id, None)
@@ -200,7 +209,7 @@ class ShoalConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self._agent is None or not isinstance(meta, ShoalConnectorMetadata):
             return
-        self._agent.update_tables(meta.updates, meta.finished)
+        self._agent.update_tables(meta.updates, meta.finished, meta.preempted)
         for load in meta.loads:
             self._agent.inject(load)
 
