@@ -268,7 +268,7 @@ def stall(cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int) 
     for context in contexts:
         for mode in MODES:
             for i in range(repeats):
-                for _ in range(3):
+                for _ in range(5):
                     row = stall_once(cfg, context, mode, move_after, rng)
                     if row is not None:
                         break
@@ -349,7 +349,7 @@ async def slowdown_trial(
         try:
             await _until(lambda: all(len(o["stamps"]) >= 4 for o in others), 120, "the bystanders to decode")
             prompt = [rng.randrange(100, 40000) for _ in range(context)]
-            tasks.append(asyncio.create_task(_stream_stamps(client, body(prompt, move_after + 400), mover)))
+            tasks.append(asyncio.create_task(_stream_stamps(client, body(prompt, move_after + 150), mover)))
             await _until(lambda: len(mover["stamps"]) >= move_after, 300, "the request to decode")
             source = mover["engine"]
             target = "engine-1" if source == "engine-0" else "engine-0"
@@ -605,8 +605,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8000])
     parser.add_argument("--stall-repeats", type=int, default=3)
     parser.add_argument("--move-after", type=int, default=16)
-    parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[2048, 8000])
-    parser.add_argument("--slowdown-repeats", type=int, default=6)
+    parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--slowdown-repeats", type=int, default=5)
     parser.add_argument("--bystanders", type=int, default=4, help="other streams decoding during a move")
     parser.add_argument("--skip-stall", action="store_true")
     parser.add_argument("--skip-slowdown", action="store_true")
@@ -619,7 +619,8 @@ def main() -> None:
     slow: list[dict[str, Any]] = []
     ready = 0.0
     if not (args.skip_stall and args.skip_slowdown):
-        cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 400)
+        # (SmolLM2 takes up to 8,192 positions.)
+        cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 160)
         fleet = Fleet(cfg, say=say)
         began = time.monotonic()
         try:
