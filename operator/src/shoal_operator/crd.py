@@ -1,0 +1,173 @@
+"""The ``InferenceCluster`` CustomResourceDefinition, generated from ``spec.py``.
+
+``python -m shoal_operator.crd`` (``make crd``) writes it to ``CRD_PATH``, where the chart
+installs it from; a test fails when the checked-in file and the models drift apart.
+
+pydantic's JSON schema becomes a Kubernetes *structural* schema: references are inlined, every
+object lists its properties, ``Optional`` fields are simply not required, and titles go (the
+descriptions stay). Cross-field rules travel as ``x-kubernetes-validations`` (CEL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from shoal_operator.spec import (
+    GROUP,
+    KIND,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+    InferenceClusterSpec,
+    InferenceClusterStatus,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+CRD_PATH = ROOT / "charts" / "shoal" / "crds" / f"{PLURAL}.{GROUP}.yaml"
+
+_DROP = {"title"}
+
+
+def structural(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema (with ``$defs``) as a structural schema with nothing referenced."""
+    defs = schema.get("$defs", {})
+
+    def convert(node: dict[str, Any]) -> dict[str, Any]:
+        if "$ref" in node:
+            target = convert(defs[node["$ref"].rsplit("/", 1)[1]])
+            # A field's own description and default win over the referenced model's.
+            return {**target, **{k: v for k, v in node.items() if k not in _DROP and k != "$ref"}}
+        any_of = node.get("anyOf")
+        if any_of is not None:
+            branches = [b for b in any_of if b.get("type") != "null"]
+            if len(branches) != 1:
+                raise ValueError(f"only Optional[X] unions map to a structural schema: {node}")
+            rest = {k: v for k, v in node.items() if k not in _DROP and k != "anyOf"}
+            if rest.get("default", "") is None:
+                del rest["default"]  # absent, not null
+            return {**convert(branches[0]), **rest}
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key in _DROP or key == "$defs":
+                continue
+            if key == "properties":
+                required = set(node.get("required", ()))
+                out[key] = {name: convert(child) for name, child in value.items()}
+                for name, child in out[key].items():
+                    # An omitted sub-object defaults to {}, so the API server fills in its
+                    # fields' defaults too (and .spec.engine.replicas always exists for scale);
+                    # not an Optional one, whose absence means something.
+                    optional = "anyOf" in value[name]
+                    if child.get("type") == "object" and name not in required and "default" not in child:
+                        if not optional:
+                            child["default"] = {}
+            elif key == "items":
+                out[key] = convert(value)
+            elif key == "additionalProperties":
+                continue  # unknown fields are pruned by the API server (and refused by pydantic)
+            elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+                # JSON Schema's numeric form; OpenAPI v3.0 (Kubernetes) takes a bound and a flag.
+                out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+                out[key] = True
+            else:
+                out[key] = value
+        if out.get("type") == "object" and "properties" not in out:
+            raise ValueError(f"an object without properties is not structural: {node}")
+        return out
+
+    return convert(schema)
+
+
+def _schema(model: type[InferenceClusterSpec] | type[InferenceClusterStatus]) -> dict[str, Any]:
+    return structural(model.model_json_schema(by_alias=True, mode="validation"))
+
+
+def build() -> dict[str, Any]:
+    spec = _schema(InferenceClusterSpec)
+    status = _schema(InferenceClusterStatus)
+    status["properties"]["conditions"]["x-kubernetes-list-type"] = "map"
+    status["properties"]["conditions"]["x-kubernetes-list-map-keys"] = ["type"]
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["shoal"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A Shoal LLM serving fleet: vLLM engines, routers, a "
+                            "tokenizer and Redis, with live request migration.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec,
+                                "status": status,
+                            },
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.engine.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": [
+                        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                        {"name": "Engines", "type": "integer", "jsonPath": ".status.readyEngines"},
+                        {"name": "Model", "type": "string", "jsonPath": ".spec.model.servedName"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                }
+            ],
+        },
+    }
+
+
+def render() -> str:
+    header = "# Generated by `make crd` (shoal_operator.crd) from operator/src/shoal_operator/spec.py.\n"
+    return header + yaml.safe_dump(build(), sort_keys=False, width=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Write the InferenceCluster CRD")
+    parser.add_argument("--out", type=Path, default=CRD_PATH)
+    parser.add_argument("--check", action="store_true", help="fail if the file differs")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if not args.out.exists() or args.out.read_text() != text:
+            print(f"{args.out} is out of date: run `make crd`", file=sys.stderr)
+            sys.exit(1)
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The ``InferenceCluster`` resource (``shoal.dev/v1alpha1``): spec and status, in one place.
+
+These pydantic models are the single source of the custom resource definition: ``crd.py`` turns
+them into the CRD's structural OpenAPI schema (descriptions, defaults, bounds, enums and the CEL
+rules below), and the operator reads specs through them. Every field is documented, defaulted
+where a sensible default exists, and bounded.
+
+A rule that spans fields is written once, as a CEL expression in ``RULES``; the API server
+enforces it at ``kubectl apply`` (``x-kubernetes-validations``), and the tests evaluate the same
+expressions against sample objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shoal_operator.cel import failures
+
+GROUP = "shoal.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceCluster"
+PLURAL = "inferenceclusters"
+SINGULAR = "inferencecluster"
+SHORT_NAMES = ["ic"]
+
+IMAGE_PATTERN = r"^[a-z0-9]+([._/:@-][a-zA-Z0-9_.-]+)*$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    """CEL rules for a model's schema: (expression over ``self``, message naming the fields)."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    @model_validator(mode="after")
+    def _cel_rules(self) -> Self:
+        rules = (self.model_config.get("json_schema_extra") or {}).get("x-kubernetes-validations")
+        if rules:
+            value = self.model_dump(by_alias=True, exclude_none=True)
+            broken = failures(rules, value)  # type: ignore[arg-type]
+            if broken:
+                raise ValueError("; ".join(broken))
+        return self
+
+
+class ModelSpec(_Spec):
+    """The model every engine of the cluster serves."""
+
+    source: str = Field(
+        min_length=1,
+        max_length=512,
+        description="Where engines load the model from: a model repository id or a path inside the "
+        "engine image or volume.",
+    )
+    served_name: str = Field(
+        alias="servedName",
+        min_length=1,
+        max_length=128,
+        description="The name clients put in the `model` field of OpenAI requests.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weight and activation type."
+    )
+    max_model_len: int = Field(
+        default=2048,
+        alias="maxModelLen",
+        ge=128,
+        le=1_048_576,
+        description="Longest prompt plus output, in tokens.",
+    )
+
+
+class Resources(_Spec):
+    """Compute for one pod; requests equal limits (Guaranteed QoS, so CPU pinning holds)."""
+
+    cpu: str = Field(default="2", pattern=QUANTITY_PATTERN, max_length=32, description="CPU cores.")
+    memory: str = Field(default="8Gi", pattern=QUANTITY_PATTERN, max_length=32, description="Memory.")
+
+
+class EngineSpec(_Spec):
+    """The vLLM engine pods (a StatefulSet: each engine has a stable name its migrations use)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            ("self.minReplicas <= self.maxReplicas", "engine.minReplicas must be <= engine.maxReplicas"),
+            (
+                "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
+                "engine.replicas must lie between engine.minReplicas and engine.maxReplicas",
+            ),
+            ("self.kvTransport != 'nccl' || self.gpus > 0", "engine.kvTransport nccl needs engine.gpus > 0"),
+        )
+    )
+
+    replicas: int = Field(
+        default=2, ge=0, le=1024, description="Engines running now (the scale subresource)."
+    )
+    min_replicas: int = Field(
+        default=1, alias="minReplicas", ge=0, le=1024, description="Fewest engines autoscaling keeps."
+    )
+    max_replicas: int = Field(
+        default=8, alias="maxReplicas", ge=1, le=1024, description="Most engines autoscaling starts."
+    )
+    image: str = Field(
+        default="shoal/engine:0.1.0", pattern=IMAGE_PATTERN, max_length=256, description="Engine image."
+    )
+    gpus: int = Field(default=0, ge=0, le=16, description="GPUs per engine; 0 runs vLLM's CPU build.")
+    resources: Resources = Field(default_factory=Resources, description="CPU and memory per engine.")
+    kv_cache_gib: int = Field(
+        default=4, alias="kvCacheGiB", ge=1, le=4096, description="KV cache per engine (CPU engines), GiB."
+    )
+    kv_transport: Literal["tcp", "gloo", "nccl"] = Field(
+        default="tcp",
+        alias="kvTransport",
+        description="How migrations copy KV blocks between engines: tcp or gloo on CPU, nccl on GPUs.",
+    )
+    block_size: int = Field(
+        default=32, alias="blockSize", ge=16, le=256, multiple_of=16, description="Tokens per KV block."
+    )
+    max_num_seqs: int = Field(
+        default=64, alias="maxNumSeqs", ge=1, le=4096, description="Most requests one engine batches."
+    )
+
+
+class IngressSpec(_Spec):
+    """An optional Ingress in front of the router Service."""
+
+    enabled: bool = Field(default=False, description="Create an Ingress for the router.")
+    host: str = Field(default="", max_length=253, description="Host name the Ingress answers for.")
+    class_name: str = Field(default="", alias="className", max_length=253, description="IngressClass name.")
+
+
+class RouterSpec(_Spec):
+    """The OpenAI-compatible routers (a Deployment; they share request state in Redis)."""
+
+    replicas: int = Field(default=1, ge=1, le=64, description="Router pods.")
+    image: str = Field(
+        default="shoal/router:0.1.0", pattern=IMAGE_PATTERN, max_length=256, description="Router image."
+    )
+    resources: Resources = Field(
+        default=Resources(cpu="1", memory="1Gi"), description="CPU and memory per router."
+    )
+    ingress: IngressSpec = Field(default_factory=IngressSpec, description="Ingress for the router.")
+
+
+class TokenizerSpec(_Spec):
+    """The tokenizer service (a Deployment behind a gRPC Service)."""
+
+    replicas: int = Field(default=1, ge=1, le=16, description="Tokenizer pods.")
+    image: str = Field(
+        default="shoal/tokenizer:0.1.0", pattern=IMAGE_PATTERN, max_length=256, description="Tokenizer image."
+    )
+
+
+class SecretKeyRef(_Spec):
+    """A key of a Secret in the cluster's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_LABEL_PATTERN, description="Secret name.")
+    key: str = Field(default="url", min_length=1, max_length=253, description="Key holding the value.")
+
+
+class RedisSpec(_Spec):
+    """Where fleet state lives: a Redis the operator runs, or one you already have."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "self.mode == 'managed' || has(self.url) || has(self.urlSecret)",
+                "redis.mode external needs redis.url or redis.urlSecret",
+            ),
+            ("!(has(self.url) && has(self.urlSecret))", "set only one of redis.url and redis.urlSecret"),
+        )
+    )
+
+    mode: Literal["managed", "external"] = Field(
+        default="managed", description="managed: a Redis StatefulSet and Service; external: url or urlSecret."
+    )
+    url: str | None = Field(
+        default=None, pattern=r"^rediss?://", max_length=1024, description="External Redis URL (no password)."
+    )
+    url_secret: SecretKeyRef | None = Field(
+        default=None, alias="urlSecret", description="Secret key holding the external Redis URL."
+    )
+    image: str = Field(
+        default="redis:7.4", pattern=IMAGE_PATTERN, max_length=256, description="Image of the managed Redis."
+    )
+
+
+class DrainSpec(_Spec):
+    """How an engine leaves (scale-down, rollout): its requests migrate to the others first."""
+
+    deadline_seconds: int = Field(
+        default=60,
+        alias="deadlineSeconds",
+        ge=1,
+        le=3600,
+        description="How long an engine's drain may take; what is left then is recomputed elsewhere.",
+    )
+
+
+class AutoscalingSpec(_Spec):
+    """Built-in autoscaling of the engines between minReplicas and maxReplicas."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "self.metric != 'kvUsage' || self.target <= 1.0",
+                "autoscaling.target is a fraction (<= 1) for metric kvUsage",
+            ),
+        )
+    )
+
+    enabled: bool = Field(default=False, description="Scale engines from fleet load in Redis.")
+    metric: Literal["kvUsage", "queueLength"] = Field(
+        default="kvUsage", description="kvUsage: mean KV cache use; queueLength: waiting requests per engine."
+    )
+    target: float = Field(default=0.7, gt=0, le=10_000, description="Value of the metric to hold.")
+    cooldown_seconds: int = Field(
+        default=300, alias="cooldownSeconds", ge=0, le=86_400, description="Least time between two changes."
+    )
+
+
+class InferenceClusterSpec(_Spec):
+    """A serving fleet: engines, routers, a tokenizer and Redis, reconciled by the operator."""
+
+    model: ModelSpec = Field(description="The model the cluster serves.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine pods.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="Router pods.")
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer pods.")
+    redis: RedisSpec = Field(default_factory=RedisSpec, description="Fleet state store.")
+    drain: DrainSpec = Field(default_factory=DrainSpec, description="Engine drain by migration.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Engine autoscaling.")
+
+
+class Condition(_Spec):
+    """A status condition (the Kubernetes convention)."""
+
+    type: Literal["Ready", "EnginesReady", "RouterReady", "RedisReady", "Draining"] = Field(
+        description="What the condition is about."
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether it holds.")
+    reason: str = Field(default="", max_length=128, description="One CamelCase word, for machines.")
+    message: str = Field(default="", max_length=4096, description="For people.")
+    last_transition_time: str = Field(
+        default="",
+        alias="lastTransitionTime",
+        max_length=64,
+        description="When status last changed (RFC 3339).",
+    )
+    observed_generation: int = Field(
+        default=0, alias="observedGeneration", ge=0, description="The spec generation this was computed for."
+    )
+
+
+class InferenceClusterStatus(_Spec):
+    """What the operator last saw of the cluster's children."""
+
+    observed_generation: int = Field(
+        default=0, alias="observedGeneration", ge=0, description="The spec generation last reconciled."
+    )
+    replicas: int = Field(default=0, ge=0, description="Engine pods that exist (the scale subresource).")
+    ready_engines: int = Field(default=0, alias="readyEngines", ge=0, description="Engine pods ready.")
+    selector: str = Field(default="", max_length=1024, description="Label selector of the engine pods.")
+    model: str = Field(default="", max_length=128, description="Served model name.")
+    ready: str = Field(
+        default="Unknown", max_length=16, description="The Ready condition's status, for kubectl."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, EnginesReady, ... with reasons."
+    )

@@ -1,0 +1,134 @@
+"""The children an InferenceCluster renders to: valid Kubernetes objects with the right fields.
+
+Each sample cluster in ``operator/samples`` is rendered, and every built-in child is checked with
+``kubernetes-validate`` (strict: an unknown or misspelt field fails) against a current Kubernetes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from shoal_operator import children
+from shoal_operator.crd import ROOT
+from shoal_operator.spec import InferenceClusterSpec
+
+SAMPLES = sorted((ROOT / "operator" / "samples").glob("*.yaml"))
+UID = "0d8f5c1e-7b1a-4d39-9a0e-3f7c2b8e6a51"
+
+
+def cluster_of(sample: Path, namespace: str = "serving") -> children.Cluster:
+    obj = yaml.safe_load(sample.read_text())
+    spec = InferenceClusterSpec.model_validate(obj["spec"])
+    return children.Cluster(obj["metadata"]["name"], namespace, UID, spec)
+
+
+def by_kind(rendered: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [c for c in rendered if c["kind"] == kind]
+
+
+def one(rendered: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
+    found = [
+        c
+        for c in by_kind(rendered, kind)
+        if c["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+    assert len(found) == 1, (kind, component, found)
+    return found[0]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
+def test_every_child_is_a_valid_kubernetes_object_owned_by_the_cluster(sample: Path) -> None:
+    cluster = cluster_of(sample)
+    rendered = children.render(cluster, service_monitors=True)
+    version = kubernetes_validate.latest_version()
+    for child in rendered:
+        if child["kind"] != "ServiceMonitor":  # not a built-in kind: checked below
+            kubernetes_validate.validate(child, version, strict=True)
+        meta = child["metadata"]
+        assert meta["namespace"] == "serving"
+        (owner,) = meta["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            "InferenceCluster",
+            cluster.name,
+            UID,
+            True,
+        )
+    names = [(c["kind"], c["metadata"]["name"]) for c in rendered]
+    assert len(names) == len(set(names))
+    monitor = one(rendered, "ServiceMonitor", "metrics")
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+def test_engines_follow_the_spec() -> None:
+    cluster = cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")
+    rendered = children.render(cluster)
+    engines = one(rendered, "StatefulSet", "engine")
+    spec = engines["spec"]
+    assert spec["replicas"] == cluster.spec.engine.replicas == 2
+    assert spec["serviceName"] == one(rendered, "Service", "engine")["metadata"]["name"]
+    assert one(rendered, "Service", "engine")["spec"]["clusterIP"] == "None"
+    # The selector matches the pods, and the scale subresource's selector string says the same.
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in spec["selector"]["matchLabels"].items())
+    assert (
+        dict(kv.split("=") for kv in children.engine_selector(cluster).split(","))
+        == (spec["selector"]["matchLabels"])
+    )
+    # A draining engine gets its deadline, then time to exit.
+    pod = spec["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == cluster.spec.drain.deadline_seconds + children.EXIT_GRACE_S
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[args.index("--engine-id") + 1] == "$(POD_NAME)"
+    assert args[args.index("--drain-timeout") + 1] == str(cluster.spec.drain.deadline_seconds)
+    assert args[args.index("--cluster") + 1] == "serving.smol"
+    assert "--migration" in args
+    env = env_of(container)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["REDIS_URL"] == "redis://smol-redis:6379/0"
+    assert container["resources"]["requests"] == container["resources"]["limits"]  # Guaranteed QoS
+    # Managed Redis, no Ingress unless asked for; one router may be evicted when it is alone.
+    assert one(rendered, "StatefulSet", "redis")["spec"]["replicas"] == 1
+    assert by_kind(rendered, "Ingress") == []
+    assert one(rendered, "PodDisruptionBudget", "router")["spec"] == {
+        "selector": {"matchLabels": children.selector(cluster, "router")},
+        "maxUnavailable": 1,
+    }
+
+
+def test_gpu_engines_ask_for_gpus_and_the_router_gets_its_ingress() -> None:
+    rendered = children.render(cluster_of(ROOT / "operator" / "samples" / "gpu-autoscaled.yaml"))
+    (container,) = one(rendered, "StatefulSet", "engine")["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env_of(container)
+    assert container["args"][container["args"].index("--kv-transport") + 1] == "nccl"
+    rule = one(rendered, "Ingress", "router")["spec"]["rules"][0]
+    assert rule["host"] == "llm.example.internal"
+    assert rule["http"]["paths"][0]["backend"]["service"]["name"] == "llama-8b-router"
+    assert one(rendered, "PodDisruptionBudget", "router")["spec"]["minAvailable"] == 1
+
+
+def test_external_redis_comes_from_the_secret_and_no_redis_is_run() -> None:
+    rendered = children.render(cluster_of(ROOT / "operator" / "samples" / "external-redis.yaml"))
+    assert [c for c in rendered if c["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"] == []
+    for component in ("engine", "router"):
+        kind = "StatefulSet" if component == "engine" else "Deployment"
+        (container,) = one(rendered, kind, component)["spec"]["template"]["spec"]["containers"]
+        assert env_of(container)["REDIS_URL"] == {"secretKeyRef": {"name": "fleet-redis", "key": "url"}}
+
+
+def test_only_the_clusters_own_pods_reach_its_engines() -> None:
+    cluster = cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")
+    policy = one(children.render(cluster), "NetworkPolicy", "engine")["spec"]
+    assert policy["podSelector"]["matchLabels"] == children.selector(cluster, "engine")
+    same, metrics = policy["ingress"]
+    assert same == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "smol"}}}]}
+    assert metrics == {"ports": [{"port": children.ENGINE_HTTP_PORT, "protocol": "TCP"}]}

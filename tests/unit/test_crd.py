@@ -1,0 +1,156 @@
+"""The InferenceCluster CRD: generated from the spec models, valid for Kubernetes, and checking
+sample objects the way the API server would (structural defaults, schema, CEL rules).
+
+No API server runs here. ``kubernetes-validate`` checks the CRD against Kubernetes' own schema
+for CustomResourceDefinition; samples are checked against the CRD's ``openAPIV3Schema`` with
+defaults applied first (as the API server does), then its ``x-kubernetes-validations`` rules
+are evaluated with a CEL interpreter.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pydantic
+import pytest
+import yaml
+from shoal_operator import crd
+from shoal_operator.cel import failures, typed
+from shoal_operator.spec import InferenceClusterSpec
+
+SAMPLES = sorted((Path(crd.ROOT) / "operator" / "samples").glob("*.yaml"))
+
+
+def _crd() -> dict[str, Any]:
+    return yaml.safe_load(crd.CRD_PATH.read_text())
+
+
+def _schema() -> dict[str, Any]:
+    schema: dict[str, Any] = _crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def defaulted(value: Any, schema: dict[str, Any]) -> Any:
+    """Structural defaulting: absent properties with a default get it, then their own."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        out = dict(value)
+        for name, child in schema.get("properties", {}).items():
+            if name not in out and "default" in child:
+                out[name] = copy.deepcopy(child["default"])
+            if name in out:
+                out[name] = defaulted(out[name], child)
+        return out
+    if schema.get("type") == "array" and isinstance(value, list):
+        return [defaulted(v, schema.get("items", {})) for v in value]
+    return value
+
+
+def rule_failures(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Every broken ``x-kubernetes-validations`` rule, anywhere in ``value``."""
+    broken = []
+    if schema.get("type") == "object" and isinstance(value, dict):
+        rules = schema.get("x-kubernetes-validations")
+        if rules:
+            broken += [f"{path}: {m}" for m in failures(rules, typed(value, schema))]
+        for name, child in schema.get("properties", {}).items():
+            if name in value:
+                broken += rule_failures(value[name], child, f"{path}.{name}")
+    return broken
+
+
+def admit(obj: dict[str, Any]) -> dict[str, Any]:
+    """What the API server would store, or ValueError with its complaints."""
+    schema = _schema()
+    stored = defaulted(obj, schema)
+    errors = [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(stored)]
+    errors += rule_failures(stored, schema)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return stored
+
+
+def test_checked_in_crd_is_what_the_models_generate() -> None:
+    # `make crd` writes it; a model change without it fails here.
+    assert crd.CRD_PATH.read_text() == crd.render()
+
+
+def test_crd_is_a_valid_custom_resource_definition() -> None:
+    # Kubernetes' own schema for the newest version it knows; strict: no unknown fields.
+    version = kubernetes_validate.latest_version()
+    assert version.startswith("1.") and int(version.split(".")[1]) >= 33
+    kubernetes_validate.validate(_crd(), version, strict=True)
+
+
+def test_crd_has_status_scale_and_printer_columns() -> None:
+    version = _crd()["spec"]["versions"][0]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.engine.replicas"
+    assert version["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Engines", "Model", "Age"]
+    assert _crd()["spec"]["names"]["shortNames"] == ["ic"]
+
+
+def test_every_spec_field_is_documented() -> None:
+    def undocumented(schema: dict[str, Any], path: str) -> list[str]:
+        missing = [] if schema.get("description") else [path]
+        for name, child in schema.get("properties", {}).items():
+            missing += undocumented(child, f"{path}.{name}")
+        return missing
+
+    schema = _schema()["properties"]
+    assert undocumented(schema["spec"], "spec") == []
+    assert undocumented(schema["status"], "status") == []
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
+def test_samples_are_admitted_and_read_by_the_operator(sample: Path) -> None:
+    obj = yaml.safe_load(sample.read_text())
+    stored = admit(obj)
+    # The API server's defaults and the models' agree, field for field.
+    spec = InferenceClusterSpec.model_validate(obj["spec"])
+    assert spec.model_dump(by_alias=True, exclude_none=True) == stored["spec"]
+
+
+MINIMAL = {
+    "apiVersion": "shoal.dev/v1alpha1",
+    "kind": "InferenceCluster",
+    "metadata": {"name": "x"},
+    "spec": {"model": {"source": "m", "servedName": "m"}},
+}
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"engine": {"minReplicas": 4, "maxReplicas": 2, "replicas": 3}}, "minReplicas must be <="),
+        ({"engine": {"replicas": 9}}, "replicas must lie between"),
+        ({"engine": {"kvTransport": "nccl"}}, "nccl needs engine.gpus > 0"),
+        ({"engine": {"kvTransport": "rdma"}}, "'rdma' is not one of"),
+        ({"engine": {"replicas": -1}}, "-1 is less than the minimum"),
+        ({"engine": {"blockSize": 24}}, "not a multiple of 16"),
+        ({"engine": {"resources": {"memory": "lots"}}}, "does not match"),
+        ({"redis": {"mode": "external"}}, "needs redis.url or redis.urlSecret"),
+        ({"redis": {"mode": "external", "url": "redis://a", "urlSecret": {"name": "s"}}}, "only one of"),
+        ({"redis": {"url": "http://a"}}, "does not match"),
+        ({"autoscaling": {"target": 2}}, "is a fraction"),
+        ({"model": {"source": "m"}}, "'servedName' is a required property"),
+    ],
+)
+def test_invalid_specs_are_refused_with_the_field_named(patch: dict[str, Any], message: str) -> None:
+    obj = copy.deepcopy(MINIMAL)
+    for key, value in patch.items():
+        obj["spec"][key] = value
+    with pytest.raises(ValueError, match=message):
+        admit(obj)
+    # The operator's own reading refuses it too (a spec that got past an older CRD).
+    with pytest.raises(pydantic.ValidationError):
+        InferenceClusterSpec.model_validate(obj["spec"])
+
+
+def test_unknown_fields_are_refused_by_the_models() -> None:
+    with pytest.raises(pydantic.ValidationError, match="extra"):
+        InferenceClusterSpec.model_validate({**MINIMAL["spec"], "engines": 3})
