@@ -156,7 +156,7 @@ def test_stream_moved_matches_unmoved(request: pytest.FixtureRequest, model: str
         assert move.bytes > 0 and move.stages >= 1
 
 
-class _Checked(Exception):
+class _CheckedError(Exception):
     """Raised by a stream hook once the test has what it needs: the client leaves."""
 
 
@@ -194,11 +194,11 @@ def test_staged_and_injected_kv_equal_the_source_bytes(smol_fleet: RunningFleet)
             return isinstance(staged["injected"], kv.BlockBytes)
 
         wait_until(injected, 10.0, f"{target} to hold the request's blocks")
-        raise _Checked
+        raise _CheckedError
 
     # Far longer than the check takes (the client may lag the engine by many tokens): the
     # request still decodes on the target when its blocks are read; then the client leaves.
-    with pytest.raises(_Checked):
+    with pytest.raises(_CheckedError):
         stream(smol_fleet, [901, 902, 903, 904, 905], 1500, copy_then_move)
     source, copy, injected = staged["source"], staged["staged"], staged["injected"]
     assert isinstance(source, kv.BlockBytes) and isinstance(copy, kv.BlockBytes)

@@ -64,9 +64,8 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
                     # fields' defaults too (and .spec.engine.replicas always exists for scale);
                     # not an Optional one, whose absence means something.
                     optional = "anyOf" in value[name]
-                    if child.get("type") == "object" and name not in required and "default" not in child:
-                        if not optional:
-                            child["default"] = {}
+                    if child.get("type") == "object" and name not in required and not optional:
+                        child.setdefault("default", {})
             elif key == "items":
                 out[key] = convert(value)
             elif key == "additionalProperties":
