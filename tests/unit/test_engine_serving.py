@@ -571,3 +571,17 @@ async def test_client_abort_while_stopping_for_migration_ends_the_request(
     assert await asyncio.wait_for(stopping, WAIT_S) is None
     final = await send.wait_final("c")
     assert final.finish_reason == FinishReason.ABORT
+
+
+async def test_request_failing_while_stopping_for_migration_is_not_moved(
+    service: EngineService, backend: FakeBackend, send: FakeSend
+) -> None:
+    service.on_request(add("f"))
+    await backend.wait_started("f")
+    stopping = asyncio.create_task(service.stop_for_migration("f", align_s=WAIT_S))
+    await asyncio.sleep(0)
+    backend.feed("f", BackendRequestError("bad request"))
+    # Its error piece went to the client: nothing is left to move.
+    assert await asyncio.wait_for(stopping, WAIT_S) is None
+    final = await send.wait_final("f")
+    assert final.finish_reason == FinishReason.ERROR

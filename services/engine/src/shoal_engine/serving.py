@@ -203,8 +203,9 @@ class EngineService:
             running.handed_off = True
             running.task.cancel()
             await asyncio.wait([running.task])
-        if running.final is not None or running.abort_reason:
-            # It finished meanwhile (its final piece went out as usual), or its client left.
+        if not running.handed_off or running.abort_reason:
+            # It ended meanwhile (finished or failed: its final piece went out as usual), or
+            # its client left.
             return None
         return StoppedRequest(running.add, list(running.output_ids), running.last_output_at)
 
