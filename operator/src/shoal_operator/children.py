@@ -140,23 +140,19 @@ def config_map(cluster: Cluster) -> Manifest:
 
 
 def engine_service(cluster: Cluster) -> Manifest:
-    ports = [
-        ("zmq", ENGINE_ZMQ_PORT),
-        ("http", ENGINE_HTTP_PORT),
-        ("control", ENGINE_CONTROL_PORT),
-        ("kv", ENGINE_KV_PORT),
-    ]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(cluster, f"{cluster.name}-engine", "engine"),
-        "spec": {
-            "clusterIP": "None",  # headless: each engine has its own DNS name
-            "publishNotReadyAddresses": True,
-            "selector": selector(cluster, "engine"),
-            "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports],
-        },
-    }
+    service = _service(
+        cluster,
+        "engine",
+        [
+            ("zmq", ENGINE_ZMQ_PORT),
+            ("http", ENGINE_HTTP_PORT),
+            ("control", ENGINE_CONTROL_PORT),
+            ("kv", ENGINE_KV_PORT),
+        ],
+    )
+    # Headless: each engine has its own DNS name, listed before it is ready.
+    service["spec"].update(clusterIP="None", publishNotReadyAddresses=True)
+    return service
 
 
 def engine_statefulset(cluster: Cluster) -> Manifest:
