@@ -29,7 +29,8 @@ of each ``--slowdown-contexts`` length joins and, after ``--move-after`` tokens,
 ``precopy``. Each move is paired with the same scene without a move, measured over a window as
 long as the move took. The bystanders' inter-token gaps on the source during the window (and on
 the target, 250 ms past it) are pooled over the pairs; slowdown = mean gap while moving / mean
-gap while not - 1.
+gap while not - 1. Each of ``--slowdown-paces`` (pre-copy MiB/s, 0: unpaced) gets a fleet of its
+own; the stall runs on the first.
 
 Every run's numbers go to ``bench/results/migration-<time>.json``; a part skipped with
 ``--skip-*`` is reported from the last run that measured it. Results go between
@@ -241,7 +242,7 @@ def stall_once(
     }
 
 
-def bench_fleet(max_model_len: int) -> FleetConfig:
+def bench_fleet(max_model_len: int, precopy_mib_per_s: int = 0) -> FleetConfig:
     return FleetConfig(
         model_path=ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct",
         served_model_name="SmolLM2-135M-Instruct",
@@ -259,6 +260,7 @@ def bench_fleet(max_model_len: int) -> FleetConfig:
         max_model_len=max_model_len,
         kv_cache_gib=2,
         restart=False,
+        migration_precopy_mib_per_s=precopy_mib_per_s,
     )
 
 
@@ -561,14 +563,15 @@ def section(
             f"{args.move_after} tokens; beside it, in the same run, the same scene with no move over a "
             "window as long (the pairs alternate). Shown: the other streams' mean inter-token gap on the "
             "source during the move and on the target during the move and 250 ms after it (the target "
-            "injects and admits at the end), pooled over the trials (target: source slowdown <= 5 %).",
+            "injects and admits at the end), pooled over the trials (target: source slowdown <= 5 %). "
+            "Each pre-copy pace runs on a fleet of its own (`--migration-precopy-mib-per-s`).",
             "",
-            "| context | pairs | source, moving | source, not | source slowdown "
+            "| pre-copy pace | context | pairs | source, moving | source, not | source slowdown "
             "| target, moving | target, not | target slowdown |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
-            f"| {r['context']} | {r['trials']} "
+            f"| {'{} MiB/s'.format(r['pace']) if r.get('pace') else 'none'} | {r['context']} | {r['trials']} "
             f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
             f"| {100 * r['source_slowdown']:+.1f} % | {r['target_moving_ms']:.1f} ms "
             f"| {r['target_still_ms']:.1f} ms | {100 * r['target_slowdown']:+.1f} % |"
@@ -608,6 +611,9 @@ def main() -> None:
     parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--slowdown-repeats", type=int, default=5)
     parser.add_argument("--bystanders", type=int, default=4, help="other streams decoding during a move")
+    parser.add_argument(
+        "--slowdown-paces", type=int, nargs="+", default=[0, 64], help="pre-copy paces, MiB/s (0: unpaced)"
+    )
     parser.add_argument("--skip-stall", action="store_true")
     parser.add_argument("--skip-slowdown", action="store_true")
     parser.add_argument("--skip-bandwidth", action="store_true")
@@ -618,23 +624,25 @@ def main() -> None:
     stalls: list[dict[str, Any]] = []
     slow: list[dict[str, Any]] = []
     ready = 0.0
-    if not (args.skip_stall and args.skip_slowdown):
+    # One fleet per pre-copy pace; the stall runs on the first (unpaced by default).
+    paces = [0] if args.skip_slowdown else args.slowdown_paces
+    for index, pace in enumerate(paces if not (args.skip_stall and args.skip_slowdown) else []):
         # (SmolLM2 takes up to 8,192 positions.)
-        cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 160)
+        cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 160, pace)
         fleet = Fleet(cfg, say=say)
         began = time.monotonic()
         try:
             fleet.start()
             fleet.wait_ready(timeout_s=600)
-            ready = time.monotonic() - began
-            if not args.skip_stall:
+            ready = ready or time.monotonic() - began
+            if index == 0 and not args.skip_stall:
                 stalls = stall(cfg, args.contexts, args.stall_repeats, args.move_after)
             if not args.skip_slowdown:
-                slow = slowdown_summary(
-                    slowdown(
-                        cfg, args.slowdown_contexts, args.slowdown_repeats, args.move_after, args.bystanders
-                    )
+                say(f"slowdown: pre-copy pace {pace or 'none'} MiB/s")
+                rows = slowdown(
+                    cfg, args.slowdown_contexts, args.slowdown_repeats, args.move_after, args.bystanders
                 )
+                slow += [{**row, "pace": pace} for row in slowdown_summary(rows)]
         finally:
             fleet.stop()
     note = (

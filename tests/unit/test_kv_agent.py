@@ -8,6 +8,7 @@ as the engine service does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -260,3 +261,21 @@ def test_router_follows_a_move_and_takes_late_tokens_from_the_old_owner() -> Non
     assert _owned(tracked, "a", _piece(2, owner="a"))
     assert tracked.engine_id == "a"
     assert not _owned(tracked, "c", _piece(0))
+
+
+def test_paced_send_takes_its_time_and_delivers_every_block(any_pair: Pair) -> None:
+    pair = any_pair
+    _run(pair.source, "r", [9, 3, 4, 5, 0, 12], tokens=6 * BLOCK)
+    total = 6 * LAYERS * WIDTH * 2
+    started = time.monotonic()
+    # Three chunks of two blocks at a pace that makes the whole send last 0.3 s at least.
+    sent = pair.call(
+        "source", kv.SendBlocks("r", "m", pair.addresses["td"], 0, max_bytes_per_s=int(total / 0.3))
+    )
+    elapsed = time.monotonic() - started
+    assert isinstance(sent, kv.SentBlocks) and (sent.blocks, sent.bytes) == (6, total)
+    assert elapsed >= 0.2 - 0.01  # paced after the first two chunks (none after the last)
+    source = pair.call("source", kv.ReadBlocks("r", 0, 6))
+    staged = pair.call("target", kv.ReadStaged("m"))
+    assert isinstance(source, kv.BlockBytes) and isinstance(staged, kv.BlockBytes)
+    assert staged.data == source.data

@@ -39,6 +39,9 @@ class SendBlocks(_Tagged):
     first_block: int
     max_blocks: int = 1 << 30
     partial: bool = False
+    # Pace the send to at most this many bytes per second (0: as fast as it goes), so that a
+    # pre-copy leaves the engine's compute to its other requests.
+    max_bytes_per_s: int = 0
 
 
 class Connect(_Tagged):

@@ -95,6 +95,11 @@ class EngineConfig(BaseModel):
     migration_last_stage_max_blocks: int = Field(default=2, ge=0)
     """Stop pre-copying once no more than this many new full blocks are left."""
 
+    migration_precopy_mib_per_s: int = Field(default=0, ge=0, le=1 << 20)
+    """Pace pre-copy stages to this rate (0: unpaced). On engines whose KV copy shares the cores
+    that decode, a pace trades a longer migration for less slowdown of the other requests; the
+    last stage, after the stop, always goes at full speed."""
+
     migration_step_timeout_s: float = Field(default=10.0, gt=0.0)
     """Deadline of each migration step (prepare, a stage, commit)."""
 

@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--migration-max-stages", type=int, default=4)
     parser.add_argument("--migration-last-stage-max-blocks", type=int, default=2)
     parser.add_argument("--migration-step-timeout", type=float, default=10.0)
+    parser.add_argument(
+        "--migration-precopy-mib-per-s", type=int, default=0, help="pace pre-copy stages (0: unpaced)"
+    )
     args = parser.parse_args(argv)
     return EngineConfig(
         model=args.model,
@@ -91,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         block_size=args.block_size,
         migration_max_stages=args.migration_max_stages,
         migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,
+        migration_precopy_mib_per_s=args.migration_precopy_mib_per_s,
         migration_step_timeout_s=args.migration_step_timeout,
     )
 

@@ -226,6 +226,9 @@ class MigrationManager:
         stopped: StoppedRequest | None = None
         try:
             next_block = 0
+            pace = config.migration_precopy_mib_per_s << 20
+            # A paced stage sends what fits in half a step deadline; later stages send the rest.
+            stage_blocks = max(1, int(pace * timeout / 2) // status.bytes_per_block) if pace else 1 << 30
             while mode == pb.PRECOPY:
                 sent = await self._agent.call(
                     kv.SendBlocks(
@@ -233,6 +236,8 @@ class MigrationManager:
                         migration_id=result.migration_id,
                         target=prepared.kv_address,
                         first_block=next_block,
+                        max_blocks=stage_blocks,
+                        max_bytes_per_s=pace,
                     )
                 )
                 _count_stage(result, sent)

@@ -71,6 +71,8 @@ class FleetConfig:
     """Engines load the KV connector and can move running requests to each other."""
     migration_step_timeout_s: float = 10.0
     """Deadline of each migration step (prepare, a KV stage, commit)."""
+    migration_precopy_mib_per_s: int = 0
+    """Pace of pre-copy stages in MiB/s (0: unpaced); the engine's --migration-precopy-mib-per-s."""
     kv_block_size: int = 32
     """KV block size in tokens when migration is on (the CPU build's smallest): the tail a
     migrated request recomputes on its target is shorter than a block or two."""
@@ -245,6 +247,8 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 str(cfg.kv_block_size),
                 "--migration-step-timeout",
                 str(cfg.migration_step_timeout_s),
+                "--migration-precopy-mib-per-s",
+                str(cfg.migration_precopy_mib_per_s),
             ]
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]

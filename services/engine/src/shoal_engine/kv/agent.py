@@ -385,9 +385,7 @@ class KvAgent:
             return kv.SentBlocks(
                 next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written
             )
-        sent = self._transport.send(
-            command.target, command.migration_id, command.first_block, ids, self._layers
-        )
+        sent = self._paced_send(command, ids)
         with self._lock:
             if self._tables.get(command.request_id) is not table or table.epoch != epoch:
                 return kv.AgentError(
@@ -400,6 +398,23 @@ class KvAgent:
             seconds=time.perf_counter() - started,
             tokens_written=written,
         )
+
+    def _paced_send(self, command: kv.SendBlocks, ids: list[int]) -> int:
+        """Send ``ids`` in one transport call, or chunk by chunk at ``max_bytes_per_s``."""
+        if not command.max_bytes_per_s:
+            return self._transport.send(
+                command.target, command.migration_id, command.first_block, ids, self._layers
+            )
+        started, sent = time.monotonic(), 0
+        for at in range(0, len(ids), self._chunk_blocks):
+            chunk = ids[at : at + self._chunk_blocks]
+            sent += self._transport.send(
+                command.target, command.migration_id, command.first_block + at, chunk, self._layers
+            )
+            ahead = sent / command.max_bytes_per_s - (time.monotonic() - started)
+            if ahead > 0 and at + self._chunk_blocks < len(ids):  # no wait after the last chunk
+                time.sleep(ahead)
+        return sent
 
     # ---- data threads -----------------------------------------------------------------------
 
