@@ -58,9 +58,8 @@ class _Running:
     output_ids: list[int] = field(default_factory=list)
     final: RequestPiece | None = None
     # Set by stop_for_migration: the task ends without a final piece, right after its next
-    # output (``stop_at_output``) or when cancelled.
+    # output or when cancelled.
     migrating: bool = False
-    stop_at_output: bool = False
     # The request stopped here to go on elsewhere (its stream was closed for the migration).
     handed_off: bool = False
     # Wall-clock time of the latest output tokens (a migration's target measures its client's
@@ -196,7 +195,7 @@ class EngineService:
         running = self._running.get(request_id)
         if running is None or running.task is None or running.migrating or running.final is not None:
             return None
-        running.migrating = running.stop_at_output = True
+        running.migrating = True
         done, _ = await asyncio.wait([running.task], timeout=align_s)
         if not done and running.final is None:
             # No output in time (it waits in vLLM's queue): stop it where it is.
@@ -251,7 +250,7 @@ class EngineService:
                 piece.num_prompt_tokens = len(add.prompt_token_ids)
                 running.final = piece
             self._emit(add.reply_to, piece)
-            if running.stop_at_output and running.final is None and out.token_ids:
+            if running.migrating and running.final is None and out.token_ids:
                 # Stopping for a migration: end here, after the piece just sent.
                 running.handed_off = True
                 break

@@ -401,18 +401,19 @@ class KvAgent:
 
     def _paced_send(self, command: kv.SendBlocks, ids: list[int]) -> int:
         """Send ``ids`` in one transport call, or chunk by chunk at ``max_bytes_per_s``."""
-        if not command.max_bytes_per_s:
-            return self._transport.send(
-                command.target, command.migration_id, command.first_block, ids, self._layers
-            )
+        pace = command.max_bytes_per_s
+        step = self._chunk_blocks if pace else max(1, len(ids))
         started, sent = time.monotonic(), 0
-        for at in range(0, len(ids), self._chunk_blocks):
-            chunk = ids[at : at + self._chunk_blocks]
+        for at in range(0, len(ids), step):
             sent += self._transport.send(
-                command.target, command.migration_id, command.first_block + at, chunk, self._layers
+                command.target,
+                command.migration_id,
+                command.first_block + at,
+                ids[at : at + step],
+                self._layers,
             )
-            ahead = sent / command.max_bytes_per_s - (time.monotonic() - started)
-            if ahead > 0 and at + self._chunk_blocks < len(ids):  # no wait after the last chunk
+            ahead = sent / pace - (time.monotonic() - started) if pace else 0.0
+            if ahead > 0 and at + step < len(ids):  # no wait after the last chunk
                 time.sleep(ahead)
         return sent
 
