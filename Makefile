@@ -66,8 +66,9 @@ redis: ## Install redis-server from Debian when it is missing
 .PHONY: models
 models: $(MODEL_STAMPS) ## Build SmolLM2-135M-Instruct and the tiny test model into .cache/models
 
-$(MODEL_STAMPS) &: | $(SETUP_STAMP)
+$(MODEL_STAMPS) &: services/engine/src/shoal_engine/models.py | $(SETUP_STAMP)
 	$(PY) -m shoal_engine.models --cache-dir $(MODELS_DIR)
+	touch $(MODEL_STAMPS)
 
 .PHONY: crd
 crd: setup ## Regenerate the InferenceCluster CRD (charts/shoal/crds/) from operator/src/shoal_operator/spec.py

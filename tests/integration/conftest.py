@@ -63,10 +63,18 @@ def pytest_runtest_makereport(
 
 
 def _config(
-    name: str, model_dir: str, served: str, run_dir: Path, engines: int, offset: int, dtype: str = "bfloat16"
+    name: str,
+    model_dir: str,
+    served: str,
+    run_dir: Path,
+    engines: int,
+    offset: int,
+    dtype: str = "bfloat16",
+    max_model_len: int = 2048,
 ) -> FleetConfig:
     return FleetConfig(
         dtype=dtype,
+        max_model_len=max_model_len,
         model_path=MODELS / model_dir,
         served_model_name=served,
         run_dir=run_dir / name,
@@ -95,7 +103,9 @@ def _fleets(
     # Depends on the reference job only so that it starts first and loads alongside the fleets.
     run_dir = tmp_path_factory.mktemp("fleets")
     configs = {
-        "tiny": _config("tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0),
+        # The tiny model's whole context: its streams must outlast a client the machine leaves
+        # unscheduled for a few seconds (the tiny model decodes 2,000 tokens in about as long).
+        "tiny": _config("tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0, max_model_len=8192),
         # float32: greedy decoding in bf16 is not batch-invariant (a near-tie flips with the
         # shape of the batch, and many concurrent streams moving between engines change it);
         # in float32 such ties are some ten thousand times rarer.

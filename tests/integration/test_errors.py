@@ -80,7 +80,9 @@ def test_unknown_model_is_404(tiny_fleet: RunningFleet) -> None:
 
 
 def test_context_overflow_is_400_with_both_numbers(tiny_fleet: RunningFleet) -> None:
-    prompt = [11] * 2000
+    limit = tiny_fleet.cfg.max_model_len
+    assert limit is not None
+    prompt = [11] * (limit - 50)
     error = _error(
         _post(
             tiny_fleet,
@@ -91,7 +93,7 @@ def test_context_overflow_is_400_with_both_numbers(tiny_fleet: RunningFleet) -> 
     )
     assert error["code"] == "context_length_exceeded"
     message = str(error["message"])
-    assert "2048" in message and "2000" in message and "100" in message
+    assert str(limit) in message and str(limit - 50) in message and "100" in message
 
 
 def test_unknown_path_is_404_json(tiny_fleet: RunningFleet) -> None:

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.integration
 ENGINES = ("engine-0", "engine-1")
 # Output tokens of a SmolLM2 test stream: long enough to still be decoding while a test moves it.
 LONG = 200
-# The tiny random model decodes its whole 2,048-token length in a second or two here: its
-# streams use nearly all of it, and are moved as soon as the client sees them.
-TINY_LONG = 2000
+# The tiny random model decodes 2,000 tokens in a few seconds here, about as long as the machine
+# may leave a client unscheduled: its streams use nearly all of its 8,192-token context.
+TINY_LONG = 8000
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -56,7 +56,18 @@ def _body(prompt: list[int] | str, max_tokens: int) -> dict[str, object]:
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
 
 
+_UNMOVED: dict[tuple[str, str, int], tuple[list[int], str]] = {}
+
+
 def unmoved(fleet: RunningFleet, prompt: list[int] | str, max_tokens: int) -> tuple[list[int], str]:
+    """Token ids and text of the request never moved (each asked once per session)."""
+    key = (fleet.model, repr(prompt), max_tokens)
+    if key not in _UNMOVED:
+        _UNMOVED[key] = _complete(fleet, prompt, max_tokens)
+    return _UNMOVED[key]
+
+
+def _complete(fleet: RunningFleet, prompt: list[int] | str, max_tokens: int) -> tuple[list[int], str]:
     reply = fleet.openai().completions.create(
         model=fleet.model,
         **_body(prompt, max_tokens),  # type: ignore[arg-type]
@@ -95,25 +106,36 @@ def stream(
 
 
 class Mover:
-    """Moves a streaming request to the other engine at each of its first ``times`` chunks (the
-    engine runs ahead of a client that parses every chunk, so the request must be long enough
-    to still be decoding: tests ask for most of the model's length). A move that finds the
-    request already finished (GONE) ends the moving: the client fell behind."""
+    """Moves a streaming request to the other engine ``times`` times: at chunk ``first`` and
+    then at every ``every``-th chunk, or, with ``every=0``, all of them back to back at chunk
+    ``first``.
 
-    def __init__(self, fleet: RunningFleet, times: int, every: int = 1) -> None:
-        self.fleet, self.times, self.every = fleet, times, every
+    The engine runs ahead of a client that parses every chunk, and a client process the machine
+    leaves unscheduled for a few seconds falls further behind: a move that finds the request
+    already finished (GONE) ends the moving, and the test streams again."""
+
+    def __init__(self, fleet: RunningFleet, times: int, every: int = 1, first: int = 1) -> None:
+        self.fleet, self.times, self.every, self.first = fleet, times, every, first
         self.results: list[pb.MigrationResult] = []
         self.gone = False
 
     def __call__(self, out: Streamed) -> None:
-        if len(self.results) < self.times and not self.gone and out.chunks % self.every == 0:
-            owner = self.results[-1].target_engine_id if self.results else out.first_engine
-            result = self.fleet.migrate(out.request_id, owner, _other(owner))
-            if result.outcome == pb.GONE and "not running here" in result.detail:
-                self.gone = True
-                return
-            assert result.outcome == pb.MIGRATED, result
-            self.results.append(result)
+        if out.chunks < self.first or self.gone:
+            return
+        if self.every == 0:
+            while out.chunks == self.first and len(self.results) < self.times and not self.gone:
+                self._move(out)
+        elif len(self.results) < self.times and (out.chunks - self.first) % self.every == 0:
+            self._move(out)
+
+    def _move(self, out: Streamed) -> None:
+        owner = self.results[-1].target_engine_id if self.results else out.first_engine
+        result = self.fleet.migrate(out.request_id, owner, _other(owner))
+        if result.outcome == pb.GONE and "not running here" in result.detail:
+            self.gone = True
+            return
+        assert result.outcome == pb.MIGRATED, result
+        self.results.append(result)
 
     def join(self) -> list[pb.MigrationResult]:
         assert len(self.results) == self.times, self.results
@@ -128,15 +150,15 @@ def test_stream_moved_matches_unmoved(request: pytest.FixtureRequest, model: str
         prompt: list[int] | str = (
             f"Write a short story about a lighthouse keeper who finds {times} messages in a bottle."
         )
-        length, every = LONG, 4
+        length, every, first = LONG, 4, 4
     else:
-        prompt, length, every = [30 + times, 40, 50, 60], TINY_LONG, 1
+        # Moved back to back once it holds a few KV blocks: the tiny model outruns any client.
+        prompt, length, every, first = [30, 40, 50, 60], TINY_LONG, 0, 64
     ref_ids, ref_text = unmoved(fleet, prompt, length)
     assert len(ref_text) > 200
-    # A client process the machine leaves unscheduled for a few seconds can see the request
-    # finish before its last move: such a stream is still checked, and the moves tried again.
-    for _attempt in range(3):
-        mover = Mover(fleet, times, every)
+    # A stream that finished before its last move is still checked, and the moves tried again.
+    for _attempt in range(5):
+        mover = Mover(fleet, times, every, first)
         got = stream(fleet, prompt, length, mover)
         # No gap and no duplicate: the same tokens and text as the request that never moved.
         assert got.token_ids == ref_ids

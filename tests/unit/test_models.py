@@ -46,7 +46,9 @@ def test_tiny_folder_contents(tiny_dir: Path) -> None:
     assert generation["eos_token_id"] == 2
     tok_config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
     assert "<|im_start|>" in tok_config["chat_template"]
-    assert models.is_complete(tiny_dir)
+    assert config["max_position_embeddings"] == 8192
+    assert models.is_complete(tiny_dir, models.TINY_FORMAT_VERSION)
+    assert not models.is_complete(tiny_dir)  # a tiny model of format 1 (2,048 tokens) is rebuilt
 
 
 def test_tiny_chat_template(tiny_dir: Path) -> None:

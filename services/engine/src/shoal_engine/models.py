@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # heavy imports stay lazy so that "already built" runs are in
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 FORMAT_VERSION = 1
+"""Bumped when a model's files change; a folder with an older marker is rebuilt."""
+TINY_FORMAT_VERSION = 2
+"""The tiny Llama's own version: 2 made its context 8,192 tokens (from 2,048)."""
 MARKER_NAME = ".shoal-complete"
 
 SMOLLM2_NAME = "smollm2"
@@ -115,39 +118,44 @@ def marker_path(folder: Path) -> Path:
     return folder / MARKER_NAME
 
 
-def is_complete(folder: Path) -> bool:
-    """True if ``folder`` is a finished build of the current format version."""
+def is_complete(folder: Path, version: int = FORMAT_VERSION) -> bool:
+    """True if ``folder`` is a finished build of format ``version``."""
     try:
         data = json.loads(marker_path(folder).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and data.get("format_version") == FORMAT_VERSION
+    return isinstance(data, dict) and data.get("format_version") == version
 
 
-def write_marker(folder: Path, name: str, extra: dict[str, Any]) -> None:
+def write_marker(folder: Path, name: str, extra: dict[str, Any], version: int = FORMAT_VERSION) -> None:
     """Mark ``folder`` as a finished build of model ``name``."""
-    payload = {"format_version": FORMAT_VERSION, "model": name, **extra}
+    payload = {"format_version": version, "model": name, **extra}
     marker_path(folder).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
 
 
 def build_into_place(
-    name: str, final: Path, build: Callable[[Path], dict[str, Any]], *, force: bool = False
+    name: str,
+    final: Path,
+    build: Callable[[Path], dict[str, Any]],
+    *,
+    force: bool = False,
+    version: int = FORMAT_VERSION,
 ) -> Path:
     """Run ``build(tmp)`` in a temp folder beside ``final`` and rename it into place.
 
     ``build`` writes the model into the folder it gets and returns details for the marker.
     A complete ``final`` is kept unless ``force``; an incomplete or outdated one is replaced.
     """
-    if is_complete(final) and not force:
+    if is_complete(final, version) and not force:
         log(f"{name}: already built at {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         extra = build(tmp)
-        write_marker(tmp, name, extra)
+        write_marker(tmp, name, extra, version)
         _make_readable(tmp)
-        _replace_folder(tmp, final, name)
+        _replace_folder(tmp, final, name, version)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"{name}: done, at {final}")
@@ -161,7 +169,7 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o755 if path.is_dir() else 0o644)
 
 
-def _replace_folder(tmp: Path, final: Path, name: str) -> None:
+def _replace_folder(tmp: Path, final: Path, name: str, version: int) -> None:
     """Move the finished ``tmp`` to ``final``, removing an older or partial ``final``."""
     if final.exists():
         log(f"{name}: replacing existing folder {final}")
@@ -171,7 +179,7 @@ def _replace_folder(tmp: Path, final: Path, name: str) -> None:
     try:
         tmp.rename(final)
     except OSError:
-        if not is_complete(final):  # a concurrent build finishing first is fine
+        if not is_complete(final, version):  # a concurrent build finishing first is fine
             raise
 
 
@@ -364,7 +372,7 @@ def tiny_llama_config(vocab_size: int, bos_id: int, eos_id: int) -> Any:
         num_attention_heads=2,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=8192,
         tie_word_embeddings=False,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
@@ -401,7 +409,9 @@ def build_tiny_files(folder: Path) -> dict[str, Any]:
 
 def build_tiny(cache_dir: Path, *, force: bool = False) -> Path:
     """Build (or find already built) ``cache_dir/tiny-llama``; return its path."""
-    return build_into_place(TINY_NAME, cache_dir / TINY_DIR, build_tiny_files, force=force)
+    return build_into_place(
+        TINY_NAME, cache_dir / TINY_DIR, build_tiny_files, force=force, version=TINY_FORMAT_VERSION
+    )
 
 
 # --------------------------------------------------------------------------- CLI
