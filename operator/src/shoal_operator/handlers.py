@@ -1,0 +1,134 @@
+"""The kopf handlers: every event about a cluster or one of its children reconciles the cluster.
+
+* The cluster is created, its spec changes, or the operator starts (resume): reconcile it.
+* A timer reconciles every cluster every ``resync_s`` seconds, so drift nobody announced (a
+  missed event, a child edited while the operator was down) is put right.
+* A child (found by its ``managed-by`` label) is modified or deleted: reconcile its cluster. A
+  deleted child comes back at once; a child whose replica counts change moves the status.
+* The cluster is deleted: nothing to do. Every child has an owner reference to the cluster and
+  Kubernetes' garbage collector removes them. (kopf puts a finalizer on each cluster for the
+  resync timer and takes it off when the cluster is deleted: the deletion waits for a running
+  operator.)
+
+kopf keeps its own bookkeeping in ``shoal.dev/`` annotations (never in ``status``, which the
+schema declares in full), and posts Kubernetes events only for warnings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from shoal_operator.kube import Kube
+from shoal_operator.reconcile import ApiError, Outcome, Reconciler
+from shoal_operator.spec import GROUP, PLURAL, VERSION
+
+MANAGED = {"app.kubernetes.io/managed-by": "shoal-operator"}
+CHILD_RESOURCES = (
+    ("v1", "configmaps"),
+    ("v1", "services"),
+    ("apps/v1", "statefulsets"),
+    ("apps/v1", "deployments"),
+    ("policy/v1", "poddisruptionbudgets"),
+    ("networking.k8s.io/v1", "networkpolicies"),
+    ("networking.k8s.io/v1", "ingresses"),
+)
+"""The children's resources the operator watches (all carry the ``managed-by`` label)."""
+RETRY_DELAY_S = 5.0
+
+
+@dataclass
+class _State:
+    kube: Kube | None = None
+    reconciler: Reconciler | None = None
+
+
+def register(
+    registry: kopf.OperatorRegistry,
+    login: Callable[[], kopf.ConnectionInfo] | None = None,
+    resync_s: float = 60.0,
+    scan_cluster: bool = True,
+) -> None:
+    """Register the operator's handlers in ``registry``.
+
+    ``login`` returns the API server's address and credentials; by default the pod's service
+    account, else the kubeconfig (as ``kopf run`` finds them). ``scan_cluster=False`` stops kopf
+    from listing namespaces and watching CRDs (it then watches exactly the namespaces it is given).
+    """
+    state = _State()
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="shoal.dev")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="shoal.dev")
+        settings.posting.level = logging.WARNING
+        settings.scanning.disabled = not scan_cluster
+
+    @kopf.on.login(registry=registry)
+    def connect(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = (
+            login()
+            if login is not None
+            else (kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs))
+        )
+        if info is not None:
+            state.kube = Kube(info)
+            state.reconciler = Reconciler(state.kube)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        if state.kube is not None:
+            await state.kube.close()
+
+    async def reconcile(
+        namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Outcome:
+        if state.reconciler is None:
+            raise kopf.TemporaryError("not logged in to the API server yet", delay=RETRY_DELAY_S)
+        try:
+            outcome = await state.reconciler.reconcile(namespace, name)
+        except ApiError as exc:
+            raise kopf.TemporaryError(
+                f"reconcile of {namespace}/{name} failed: {exc}", delay=RETRY_DELAY_S
+            ) from exc
+        if outcome.created or outcome.patched:
+            logger.info(f"created {outcome.created or 'nothing'}, patched {outcome.patched or 'nothing'}")
+        return outcome
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
+    async def cluster_changed(
+        name: str, namespace: str, body: kopf.Body, logger: logging.LoggerAdapter[Any], **_: Any
+    ) -> None:
+        outcome = await reconcile(namespace, name, logger)
+        if outcome.invalid and outcome.status_written:
+            kopf.warn(body, reason="InvalidSpec", message=outcome.invalid)
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_s, initial_delay=resync_s, registry=registry)
+    async def resync(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
+        await reconcile(namespace, name, logger)
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
+    def cluster_deleted(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
+        logger.info(f"{namespace}/{name} deleted: its children go with their owner references")
+
+    async def child_event(
+        event: kopf.RawEvent,
+        namespace: str,
+        labels: kopf.Labels,
+        logger: logging.LoggerAdapter[Any],
+        **_: Any,
+    ) -> None:
+        owner = labels.get("app.kubernetes.io/instance")
+        if owner and event.get("type") in ("MODIFIED", "DELETED"):
+            await reconcile(namespace, owner, logger)
+
+    for api_version, plural in CHILD_RESOURCES:
+        group, _, version = api_version.rpartition("/")
+        kopf.on.event(group, version, plural, labels=MANAGED, registry=registry)(child_event)

@@ -1,0 +1,106 @@
+"""A small async Kubernetes API client for the reconciler: get, create, merge-patch, discovery.
+
+It logs in the way kopf does (the same ``kopf.ConnectionInfo``: a service account in a pod, a
+kubeconfig elsewhere), so the operator has one set of credentials for watching and for writing.
+Only the kinds the operator manages are known; each maps to its REST path.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+import aiohttp
+import kopf
+
+from shoal_operator.reconcile import ApiError
+from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
+
+Manifest = dict[str, Any]
+
+PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Service"): "services",
+    ("v1", "Secret"): "secrets",
+    ("apps/v1", "StatefulSet"): "statefulsets",
+    ("apps/v1", "Deployment"): "deployments",
+    ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitors",
+    (f"{GROUP}/{VERSION}", KIND): PLURAL,
+}
+"""REST names of the kinds the operator reads and writes."""
+
+
+def path(api_version: str, kind: str, namespace: str, name: str = "", subresource: str = "") -> str:
+    """The REST path of a namespaced object (or of its collection when ``name`` is empty)."""
+    plural = PLURALS.get((api_version, kind))
+    if plural is None:
+        raise ValueError(f"the operator does not manage {kind} ({api_version})")
+    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    parts = [root, "namespaces", namespace, plural, name, subresource]
+    return "/" + "/".join(part.strip("/") for part in parts if part)
+
+
+class Kube:
+    """Kubernetes API calls with the credentials kopf logged in with."""
+
+    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0) -> None:
+        self._base = info.server.rstrip("/")
+        self._headers = {"Accept": "application/json", **info.as_http_headers()}
+        self._ssl: ssl.SSLContext | bool = info.as_ssl_context() if self._base.startswith("https") else True
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._discovered: dict[str, set[str]] = {}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self, method: str, url_path: str, body: Manifest | None = None, content_type: str = ""
+    ) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
+        headers = {"Content-Type": content_type or "application/json"} if body is not None else {}
+        async with self._session.request(
+            method, self._base + url_path, json=body, headers=headers, ssl=self._ssl
+        ) as response:
+            if response.status == 404 and method == "GET":
+                return None
+            payload = await response.json(content_type=None) if response.content_length != 0 else {}
+            if response.status >= 400:
+                message = payload.get("message", "") if isinstance(payload, dict) else str(payload)
+                raise ApiError(response.status, f"{method} {url_path}: {message}")
+            return payload
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
+        result: Manifest | None = await self._call("GET", path(api_version, kind, namespace, name))
+        return result
+
+    async def create(self, manifest: Manifest) -> Manifest:
+        meta = manifest["metadata"]
+        url_path = path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        result: Manifest = await self._call("POST", url_path, manifest)
+        return result
+
+    async def patch(
+        self, api_version: str, kind: str, namespace: str, name: str, body: Manifest, subresource: str = ""
+    ) -> Manifest:
+        url_path = path(api_version, kind, namespace, name, subresource)
+        result: Manifest = await self._call("PATCH", url_path, body, "application/merge-patch+json")
+        return result
+
+    async def has_resource(self, api_version: str, plural: str) -> bool:
+        """Whether the API serves ``plural`` in ``api_version`` (asked once, then remembered)."""
+        if api_version not in self._discovered:
+            root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+            try:
+                listing = await self._call("GET", root)
+            except ApiError:
+                listing = None
+            names = {r.get("name", "") for r in (listing or {}).get("resources", [])}
+            self._discovered[api_version] = names
+        return plural in self._discovered[api_version]

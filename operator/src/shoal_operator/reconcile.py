@@ -1,0 +1,185 @@
+"""Bring one InferenceCluster's children to what ``children.render`` says, then write its status.
+
+The reconciler is level-triggered and idempotent: every call reads the cluster and each child,
+creates what is missing, patches what drifted (a child someone edited, a spec that changed), and
+writes the status only when it changed. A call that finds everything in place makes no write at
+all, so it can run on every event and on a timer.
+
+A child has drifted when some field the operator sets differs from the live object. Fields the
+API server or other controllers add (defaults, ``clusterIP``, status) are not the operator's and
+are left alone. Patches are JSON merge patches of the whole rendered child.
+
+A spec that does not parse (one the API server's schema let through, or written before a schema
+change) sets ``Ready=False`` with reason ``InvalidSpec`` and leaves every child as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from shoal_operator import status as cluster_status
+from shoal_operator.children import Cluster, render
+from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
+
+Manifest = dict[str, Any]
+CLUSTER_API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class ApiError(Exception):
+    """A Kubernetes API call that failed (``status`` is the HTTP status)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+class Api(Protocol):
+    """What the reconciler needs of the Kubernetes API (``kube.Kube`` is the real one)."""
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None: ...
+
+    async def create(self, manifest: Manifest) -> Manifest: ...
+
+    async def patch(
+        self, api_version: str, kind: str, namespace: str, name: str, body: Manifest, subresource: str = ""
+    ) -> Manifest: ...
+
+    async def has_resource(self, api_version: str, plural: str) -> bool: ...
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did."""
+
+    created: list[str] = field(default_factory=list)
+    patched: list[str] = field(default_factory=list)
+    status_written: bool = False
+    invalid: str = ""
+    found: bool = True
+
+    @property
+    def writes(self) -> int:
+        return len(self.created) + len(self.patched) + int(self.status_written)
+
+
+def drifted(desired: Any, live: Any) -> bool:
+    """True if ``live`` differs from ``desired`` in a field ``desired`` sets.
+
+    Dicts: every key of ``desired`` must match in ``live`` (extra live keys are defaults or
+    someone else's). Lists: same length, item by item. Anything else: equal (numbers and their
+    string forms, as the API server may echo ``8000`` for ``"8000"``, count as equal).
+    """
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return True
+        return any(drifted(value, live.get(key)) for key, value in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return True
+        return any(drifted(d, item) for d, item in zip(desired, live, strict=True))
+    if desired == live:
+        return False
+    return not (isinstance(desired, int | str) and isinstance(live, int | str) and str(desired) == str(live))
+
+
+def _owned_fields(manifest: Manifest) -> Manifest:
+    """The parts of a rendered child the operator owns: labels, owners and everything but status."""
+    meta = manifest["metadata"]
+    fields = {
+        key: value
+        for key, value in manifest.items()
+        if key not in ("apiVersion", "kind", "metadata", "status")
+    }
+    fields["metadata"] = {
+        key: meta[key] for key in ("labels", "annotations", "ownerReferences") if key in meta
+    }
+    return fields
+
+
+def _ref(manifest: Manifest) -> str:
+    return f"{manifest['kind']}/{manifest['metadata']['name']}"
+
+
+class Reconciler:
+    """Reconciles clusters through ``api``; one reconcile per cluster at a time."""
+
+    def __init__(self, api: Api) -> None:
+        self._api = api
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    async def reconcile(self, namespace: str, name: str) -> Outcome:
+        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
+        async with lock:
+            return await self._reconcile(namespace, name)
+
+    async def _reconcile(self, namespace: str, name: str) -> Outcome:
+        outcome = Outcome()
+        body = await self._api.get(CLUSTER_API_VERSION, KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            outcome.found = False
+            return outcome
+        generation = int(body["metadata"].get("generation") or 1)
+        previous = body.get("status") or {}
+        try:
+            spec = InferenceClusterSpec.model_validate(body.get("spec") or {})
+        except ValidationError as exc:
+            outcome.invalid = _summary(exc)
+            wanted = cluster_status.invalid(generation, outcome.invalid, previous)
+            outcome.status_written = await self._write_status(namespace, name, previous, wanted)
+            return outcome
+        cluster = Cluster(name=name, namespace=namespace, uid=body["metadata"]["uid"], spec=spec)
+        monitors = await self._api.has_resource("monitoring.coreos.com/v1", "servicemonitors")
+        live: dict[str, Manifest] = {}
+        for desired in render(cluster, service_monitors=monitors):
+            live[_ref(desired)] = await self._apply(desired, outcome)
+        wanted = cluster_status.compute(
+            cluster,
+            generation,
+            engines=live.get(f"StatefulSet/{name}-engine"),
+            router=live.get(f"Deployment/{name}-router"),
+            redis=live.get(f"StatefulSet/{name}-redis"),
+            previous=previous,
+        )
+        outcome.status_written = await self._write_status(namespace, name, previous, wanted)
+        return outcome
+
+    async def _apply(self, desired: Manifest, outcome: Outcome) -> Manifest:
+        api_version, kind, meta = desired["apiVersion"], desired["kind"], desired["metadata"]
+        live = await self._api.get(api_version, kind, meta["namespace"], meta["name"])
+        if live is None:
+            try:
+                created = await self._api.create(desired)
+            except ApiError as exc:
+                if exc.status != 409:  # 409: another writer created it just now; patch it below
+                    raise
+            else:
+                outcome.created.append(_ref(desired))
+                return created
+            live = await self._api.get(api_version, kind, meta["namespace"], meta["name"]) or {}
+        if not drifted(_owned_fields(desired), live):
+            return live
+        outcome.patched.append(_ref(desired))
+        return await self._api.patch(
+            api_version, kind, meta["namespace"], meta["name"], _owned_fields(desired)
+        )
+
+    async def _write_status(self, namespace: str, name: str, previous: Manifest, wanted: Manifest) -> bool:
+        if not drifted(wanted, previous):
+            return False
+        await self._api.patch(
+            CLUSTER_API_VERSION, KIND, namespace, name, {"status": wanted}, subresource="status"
+        )
+        return True
+
+
+def _summary(exc: ValidationError) -> str:
+    """One line per problem, each naming its field the way the spec spells it."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "spec"
+        lines.append(f"spec.{where}: {error['msg']}" if where != "spec" else f"spec: {error['msg']}")
+    return "; ".join(lines)

@@ -1,0 +1,327 @@
+"""The operator against kmock, an in-memory Kubernetes API served over HTTP (no API server can
+run on these machines): the reconciler through its real HTTP client, and the kopf handlers
+running in-process with kopf's real watch streams.
+
+kmock stores objects and serves list, watch, get, create, merge-patch and delete; it does not
+run Kubernetes' controllers, so nothing fills a StatefulSet's status or garbage-collects owned
+objects unless a test does it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import kmock as kmock_lib
+import kopf
+import pytest
+from shoal_operator.handlers import CHILD_RESOURCES, register
+from shoal_operator.kube import Kube
+from shoal_operator.reconcile import Reconciler
+from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
+
+NS, NAME, UID = "serving", "smol", "7d0c6a52-0b5e-4b1b-9a57-4c0e1f7b2c11"
+CLUSTERS = f"{GROUP}/{VERSION}/{PLURAL}"
+ENGINES = "apps/v1/statefulsets"
+_ALL = {"get", "list", "watch", "create", "patch", "delete"}
+
+
+def _cluster(**engine: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        # kmock keeps what it is given: uid, generation and resourceVersion (kopf's patches test
+        # it) are set here as the API server would, and never move.
+        "metadata": {"name": NAME, "namespace": NS, "uid": UID, "generation": 1, "resourceVersion": "1"},
+        "spec": {
+            "model": {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": "smol"},
+            "engine": {"replicas": 2, **engine},
+        },
+    }
+
+
+def _declare(api: kmock_lib.KubernetesEmulator, service_monitors: bool = False) -> None:
+    """What the API server would discover: the CRD and the children's kinds."""
+    api.resources[CLUSTERS] = kmock_lib.ResourceInfo(
+        kind=KIND, namespaced=True, verbs=_ALL, subresources={"status", "scale"},
+    )  # fmt: skip
+    kinds = {"configmaps": "ConfigMap", "services": "Service", "statefulsets": "StatefulSet",
+             "deployments": "Deployment", "poddisruptionbudgets": "PodDisruptionBudget",
+             "networkpolicies": "NetworkPolicy", "ingresses": "Ingress"}  # fmt: skip
+    for api_version, plural in CHILD_RESOURCES:
+        api.resources[f"{api_version}/{plural}"] = kmock_lib.ResourceInfo(
+            kind=kinds[plural], namespaced=True, verbs=_ALL
+        )
+    api.resources["v1/events"] = kmock_lib.ResourceInfo(kind="Event", namespaced=True, verbs={"create"})
+    # kopf lists namespaces and watches CRDs to follow what the cluster serves.
+    api.resources["v1/namespaces"] = kmock_lib.ResourceInfo(kind="Namespace", namespaced=False, verbs=_ALL)
+    api.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock_lib.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs=_ALL
+    )
+    api.objects["v1/namespaces", None, NS] = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": NS},
+    }
+    if service_monitors:
+        api.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock_lib.ResourceInfo(
+            kind="ServiceMonitor", namespaced=True, verbs={"get", "create", "patch"}
+        )
+
+
+def _info(api: kmock_lib.KubernetesEmulator) -> kopf.ConnectionInfo:
+    return kopf.ConnectionInfo(server=str(api.url).rstrip("/"), insecure=True)
+
+
+def _requests(api: kmock_lib.KubernetesEmulator) -> list[Any]:
+    """Every request the API served so far, in order (iterating kmock's handler yields them)."""
+    return list(api)
+
+
+def _writes(api: kmock_lib.KubernetesEmulator, since: int = 0) -> list[str]:
+    return [
+        f"{r.method.value} {r.url.path}"
+        for r in _requests(api)[since:]
+        if r.method.value in ("POST", "PATCH", "PUT", "DELETE")
+    ]
+
+
+def _children(api: kmock_lib.KubernetesEmulator) -> dict[str, dict[str, Any]]:
+    """Live children by ``Kind/name``."""
+    found = {}
+    for (resource, _ns, name), obj in api.objects.items():
+        if resource.plural not in (PLURAL, "namespaces") and not obj.deleted:
+            found[f"{obj['kind']}/{name}"] = dict(obj.raw)
+    return found
+
+
+async def _eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def api(kmock: kmock_lib.KubernetesEmulator) -> kmock_lib.KubernetesEmulator:
+    _declare(kmock)
+    return kmock
+
+
+@pytest.fixture
+async def reconciler(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[Reconciler]:
+    kube = Kube(_info(api))
+    yield Reconciler(kube)
+    await kube.close()
+
+
+EXPECTED_CHILDREN = {
+    "ConfigMap/smol-config",
+    "StatefulSet/smol-engine", "Service/smol-engine",
+    "PodDisruptionBudget/smol-engine", "NetworkPolicy/smol-engine",
+    "Deployment/smol-router", "Service/smol-router", "PodDisruptionBudget/smol-router",
+    "Deployment/smol-tokenizer", "Service/smol-tokenizer", "NetworkPolicy/smol-tokenizer",
+    "StatefulSet/smol-redis", "Service/smol-redis", "NetworkPolicy/smol-redis",
+}  # fmt: skip
+
+
+async def test_create_makes_every_child_owned_by_the_cluster(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    outcome = await reconciler.reconcile(NS, NAME)
+    children = _children(api)
+    assert set(children) == EXPECTED_CHILDREN
+    assert sorted(outcome.created) == sorted(EXPECTED_CHILDREN) and outcome.patched == []
+    for child in children.values():
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (KIND, NAME, UID, True)
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "shoal-operator"
+    assert children["StatefulSet/smol-engine"]["spec"]["replicas"] == 2
+    status = api.objects[CLUSTERS, NS, NAME]["status"]
+    assert status["observedGeneration"] == 1 and status["ready"] == "False"
+    assert {c["type"]: c["reason"] for c in status["conditions"]}["EnginesReady"] == "Starting"
+
+
+async def test_a_reconcile_that_changes_nothing_writes_nothing(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    before = len(_requests(api))
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.writes == 0
+    assert _writes(api, before) == []
+
+
+async def test_replica_change_patches_only_the_statefulset(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    api.objects[CLUSTERS, NS, NAME].patch(
+        {"spec": {"engine": {"replicas": 4}}, "metadata": {"generation": 2}}
+    )
+    before = len(_requests(api))
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.patched == ["StatefulSet/smol-engine"] and outcome.created == []
+    assert _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 4
+    assert _writes(api, before) == [
+        f"PATCH /apis/apps/v1/namespaces/{NS}/statefulsets/smol-engine",
+        f"PATCH /apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}/status",  # observedGeneration 2
+    ]
+
+
+async def test_deleted_and_edited_children_are_put_back(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    del api.objects["v1/services", NS, "smol-router"]
+    edited = copy.deepcopy(_children(api)["Deployment/smol-router"])
+    edited["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:latest"
+    edited["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = "Always"  # a default, not ours
+    api.objects["apps/v1/deployments", NS, "smol-router"] = edited
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.created == ["Service/smol-router"] and outcome.patched == ["Deployment/smol-router"]
+    restored = _children(api)["Deployment/smol-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert restored["image"] != "someone/else:latest"
+
+
+async def test_status_follows_the_children(api: kmock_lib.KubernetesEmulator, reconciler: Reconciler) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    # What the StatefulSet, Deployment and Redis controllers would report once pods are up.
+    api.objects[ENGINES, NS, "smol-engine"].patch({"status": {"replicas": 2, "readyReplicas": 2}})
+    api.objects[ENGINES, NS, "smol-redis"].patch({"status": {"replicas": 1, "readyReplicas": 1}})
+    api.objects["apps/v1/deployments", NS, "smol-router"].patch(
+        {"status": {"replicas": 1, "readyReplicas": 1}}
+    )
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.status_written and outcome.created == [] and outcome.patched == []
+    status = api.objects[CLUSTERS, NS, NAME]["status"]
+    assert (status["ready"], status["readyEngines"], status["replicas"]) == ("True", 2, 2)
+
+
+async def test_invalid_spec_sets_the_condition_and_touches_no_child(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    children = _children(api)
+    # The schema's CEL rule (replicas <= maxReplicas) would refuse this at kubectl apply; a spec
+    # that got in anyway (a webhook off, an older schema) must not break the running fleet.
+    api.objects[CLUSTERS, NS, NAME].patch(
+        {"spec": {"engine": {"replicas": 9, "maxReplicas": 4}}, "metadata": {"generation": 2}}
+    )
+    before = len(_requests(api))
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert "maxReplicas" in outcome.invalid
+    assert _children(api) == children
+    assert _writes(api, before) == [f"PATCH /apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}/status"]
+    ready = next(c for c in api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "spec.engine" in ready["message"]
+
+
+async def test_service_monitor_only_when_its_crd_exists(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    assert "ServiceMonitor/smol" not in _children(api)
+    _declare(api, service_monitors=True)
+    kube = Kube(_info(api))  # discovery is remembered per client: a new operator process
+    try:
+        outcome = await Reconciler(kube).reconcile(NS, NAME)
+    finally:
+        await kube.close()
+    assert [c for c in outcome.created if c.startswith("ServiceMonitor/")] != []
+
+
+# ---- the kopf handlers, running --------------------------------------------------------------
+
+
+@pytest.fixture
+async def operator(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[None]:
+    """The operator in its own thread and event loop, as ``kopf run`` would run it (kopf stops
+    every task its loop started after it, so it cannot share the test's loop)."""
+    registry = kopf.OperatorRegistry()
+    # kmock 0.8 cannot serve the cluster-wide namespace list kopf's scanning asks for; the
+    # operator is given its namespace outright instead.
+    register(registry, login=lambda: _info(api), resync_s=3600, scan_cluster=False)
+    stop, ready = threading.Event(), threading.Event()
+    run = kopf.operator(registry=registry, namespaces=[NS], standalone=True, stop_flag=stop, ready_flag=ready)
+    thread = threading.Thread(target=asyncio.run, args=(run,), name="kopf", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
+    yield
+    stop.set()
+    await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive(), "the operator did not stop"
+
+
+async def _post(api: kmock_lib.KubernetesEmulator, url: str, body: dict[str, Any]) -> None:
+    response = await api.post(url, json=body)
+    assert response.status < 300, await response.text()
+
+
+async def _call(request: Awaitable[Any]) -> None:
+    response = await request
+    assert response.status < 300, await response.text()
+
+
+@pytest.mark.usefixtures("operator")
+async def test_kopf_creates_children_and_puts_a_deleted_one_back(api: kmock_lib.KubernetesEmulator) -> None:
+    await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
+    await _eventually(lambda: set(_children(api)) == EXPECTED_CHILDREN, "every child exists")
+    await _call(api.delete(f"/apis/apps/v1/namespaces/{NS}/statefulsets/smol-engine"))
+    await _eventually(lambda: "StatefulSet/smol-engine" in _children(api), "the deleted StatefulSet is back")
+
+
+@pytest.mark.usefixtures("operator")
+async def test_kopf_scale_change_reaches_the_statefulset(api: kmock_lib.KubernetesEmulator) -> None:
+    await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
+    await _eventually(lambda: "StatefulSet/smol-engine" in _children(api), "the engines exist")
+    url = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"
+    headers = {"Content-Type": "application/merge-patch+json"}
+    await _call(api.patch(url, json={"spec": {"engine": {"replicas": 3}}}, headers=headers))
+    await _eventually(
+        lambda: _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 3,
+        "the StatefulSet has 3 replicas",
+    )
+
+
+@pytest.mark.usefixtures("operator")
+async def test_kopf_deletion_leaves_children_to_owner_references(api: kmock_lib.KubernetesEmulator) -> None:
+    await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
+    await _eventually(lambda: set(_children(api)) == EXPECTED_CHILDREN, "every child exists")
+    before = len(_requests(api))
+    # kopf's finalizer (it stops the resync timer) goes first, then the cluster.
+    await _call(api.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"))
+    await _eventually(lambda: api.objects[CLUSTERS, NS, NAME].deleted, "the cluster is gone")
+    cluster_path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"
+    assert [w for w in _writes(api, before) if not w.endswith(cluster_path)] == []  # no child touched
+    assert set(_children(api)) == EXPECTED_CHILDREN  # left to Kubernetes' garbage collector
+
+
+@pytest.mark.usefixtures("operator")
+async def test_kopf_invalid_spec_sets_condition_and_posts_an_event(api: kmock_lib.KubernetesEmulator) -> None:
+    await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster(replicas=9, maxReplicas=4))
+
+    def invalid() -> bool:
+        conditions = api.objects[CLUSTERS, NS, NAME].get("status", {}).get("conditions", [])
+        return any(c["type"] == "Ready" and c["reason"] == "InvalidSpec" for c in conditions)
+
+    await _eventually(invalid, "Ready=False with reason InvalidSpec")
+    assert _children(api) == {}
+    await _eventually(
+        lambda: any(r.method == "POST" and r.url.path.endswith("/events") for r in _requests(api)),
+        "an InvalidSpec event is posted",
+    )
+    events = [r.data for r in _requests(api) if r.method == "POST" and r.url.path.endswith("/events")]
+    assert any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" for e in events)
