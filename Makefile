@@ -100,6 +100,10 @@ format: setup ## Format the code with ruff
 bench: setup models ## Fleet vs vLLM's own OpenAI server, same load; writes docs/benchmarks.md
 	$(PY) bench/serving.py $(BENCH_ARGS)
 
+.PHONY: bench-operator
+bench-operator: setup ## Operator reconcile cost against kmock (API calls, writes, time); writes docs/benchmarks.md
+	$(PY) bench/operator_reconcile.py $(BENCH_ARGS)
+
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)

@@ -60,6 +60,8 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from report import update_section  # noqa: E402
+
 from shoal_engine.kv.agent import KvAgent, TableUpdate  # noqa: E402
 from shoal_fleet.launcher import Fleet, FleetConfig  # noqa: E402
 from shoal_protos import engine_control_pb2 as pb  # noqa: E402
@@ -592,13 +594,7 @@ def last_results(part: str) -> list[dict[str, Any]]:
 
 
 def update_docs(text: str) -> None:
-    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    if BEGIN in current and END in current:
-        head, rest = current.split(BEGIN, 1)
-        current = head + text + rest.split(END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + text + "\n"
-    DOCS.write_text(current)
+    update_section(text, BEGIN, END, DOCS)
 
 
 def main() -> None:

@@ -74,6 +74,7 @@ from typing import Any, Protocol
 
 import httpx
 import numpy as np
+from report import update_section
 
 from shoal_fleet.launcher import Fleet, FleetConfig
 
@@ -877,20 +878,7 @@ def verdict(ok: bool) -> str:
 
 
 def update_docs(section: str, path: Path = DOCS_FILE) -> None:
-    """Replace the section between the markers, append it, or create the file."""
-    if path.exists():
-        text = path.read_text()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            tail_text = rest.split(END, 1)[1]
-            text = head + section + tail_text
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-    else:
-        text = "# Benchmarks\n\nMeasured on this repository's machines; each section names its command.\n\n"
-        text += section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    update_section(section, BEGIN, END, path)
 
 
 def plot(summaries: list[Summary], path: Path, title: str) -> None:

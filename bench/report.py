@@ -1,0 +1,25 @@
+"""Writing a benchmark's section into ``docs/benchmarks.md``, between its own markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+
+
+def update_section(section: str, begin: str, end: str, path: Path = DOCS) -> None:
+    """Replace the text from ``begin`` to ``end`` with ``section`` (which carries both markers),
+    append it when the file has no such section, or create the file."""
+    if path.exists():
+        text = path.read_text()
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            text = head + section + rest.split(end, 1)[1]
+        else:
+            text = text.rstrip("\n") + "\n\n" + section + "\n"
+    else:
+        text = "# Benchmarks\n\nMeasured on this repository's machines; each section names its command.\n\n"
+        text += section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
