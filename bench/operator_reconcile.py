@@ -184,7 +184,7 @@ def say(case: Case) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
     args = parser.parse_args()
     print(
