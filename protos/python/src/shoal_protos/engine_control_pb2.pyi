@@ -74,10 +74,14 @@ class MigrationResult(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("deadline_s",)
+    __slots__ = ("deadline_s", "leave_rotation", "rejoin_after_s")
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_ROTATION_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     deadline_s: float
-    def __init__(self, deadline_s: _Optional[float] = ...) -> None: ...
+    leave_rotation: bool
+    rejoin_after_s: float
+    def __init__(self, deadline_s: _Optional[float] = ..., leave_rotation: _Optional[bool] = ..., rejoin_after_s: _Optional[float] = ...) -> None: ...
 
 class DrainResult(_message.Message):
     __slots__ = ("migrated", "failed", "remaining", "migrations")

@@ -222,6 +222,13 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         metrics,
     )
     await registration.register()
+    if migrations is not None:
+
+        async def set_draining(draining: bool) -> None:
+            service.set_draining(draining)
+            await registration.set_state(EngineState.DRAINING if draining else EngineState.ACTIVE)
+
+        migrations.set_draining = set_draining
     logger.info("engine %s ready: zmq %s, http %s", config.engine_id, zmq_address, record.http_address)
     warm_up = asyncio.create_task(migrations.warm_up_forever(), name="kv-warm-up") if migrations else None
 
@@ -239,6 +246,8 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     stop_task.cancel()
     if warm_up is not None:
         warm_up.cancel()
+    if migrations is not None:
+        migrations.stop_rejoining()
     try:
         await registration.set_state(EngineState.DRAINING)
     except (aioredis.RedisError, OSError) as exc:

@@ -34,7 +34,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -165,6 +165,10 @@ class MigrationManager:
         self._arriving: dict[str, tuple[str, float]] = {}
         service.forward_abort = self._forward_abort
         service.on_first_output = self._first_output
+        # Takes the engine out of the rotation (True) or back in: the engine's main sets it to
+        # its Redis record's state and the service's refusal of new requests.
+        self.set_draining: Callable[[bool], Awaitable[None]] | None = None
+        self._rejoin: asyncio.Task[None] | None = None
 
     # ---- source side --------------------------------------------------------------------------
 
@@ -353,6 +357,31 @@ class MigrationManager:
         result.failed = sum(1 for m in result.migrations if m.outcome in (pb.FAILED, pb.REFUSED))
         result.remaining = len(self._service.request_ids())
         return result
+
+    async def drain_for_removal(self, deadline_s: float, rejoin_after_s: float) -> pb.DrainResult:
+        """Leave the rotation, then move every running request away (an engine about to be
+        removed). Unless ``rejoin_after_s`` is 0, serve again if no shutdown followed by then."""
+        if self.set_draining is None:
+            raise MigrationError("this engine cannot leave the rotation")
+        self.stop_rejoining()
+        await self.set_draining(True)
+        logger.info("leaving the rotation: draining for removal (deadline %.0f s)", deadline_s)
+        result = await self.drain(deadline_s)
+        if rejoin_after_s > 0:
+            self._rejoin = asyncio.create_task(self._rejoin_after(rejoin_after_s), name="rejoin")
+        return result
+
+    async def _rejoin_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if self.set_draining is not None:
+            logger.warning("drained for removal %.0f s ago and still running: serving again", delay_s)
+            await self.set_draining(False)
+
+    def stop_rejoining(self) -> None:
+        """The engine is stopping (or draining again): a pending return to service is off."""
+        if self._rejoin is not None:
+            self._rejoin.cancel()
+            self._rejoin = None
 
     async def _pick_target(self, engine_id: str) -> EngineRecord | None:
         if engine_id:
@@ -607,6 +636,7 @@ class MigrationManager:
         return list(self._history)[: limit or None]
 
     async def aclose(self) -> None:
+        self.stop_rejoining()
         for handle in self._reserved.values():
             handle.expiry.cancel()
         for channel in self._channels.values():
@@ -642,7 +672,13 @@ class EngineControlServicer(pb_grpc.EngineControlServicer):
     async def Drain(  # noqa: N802 (gRPC method name)
         self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainResult:
-        return await self._manager.drain(request.deadline_s or 30.0)
+        deadline_s = request.deadline_s or 30.0
+        if request.leave_rotation:
+            try:
+                return await self._manager.drain_for_removal(deadline_s, request.rejoin_after_s)
+            except MigrationError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return await self._manager.drain(deadline_s)
 
     async def ListMigrations(  # noqa: N802 (gRPC method name)
         self, request: pb.ListMigrationsRequest, context: grpc.aio.ServicerContext

@@ -119,6 +119,10 @@ class EngineService:
     def draining(self) -> bool:
         return self._draining
 
+    def set_draining(self, draining: bool) -> None:
+        """Refuse new requests (retryable, so routers send them elsewhere) or take them again."""
+        self._draining = draining
+
     def request_ids(self) -> list[str]:
         return [rid for rid, running in self._running.items() if not running.migrating]
 
