@@ -19,6 +19,8 @@ from typing import Any
 import kmock as kmock_lib
 import kopf
 import pytest
+from shoal_operator.children import Cluster
+from shoal_operator.drain import Drained
 from shoal_operator.handlers import CHILD_RESOURCES, register
 from shoal_operator.kube import Kube
 from shoal_operator.reconcile import Reconciler
@@ -28,6 +30,7 @@ NS, NAME, UID = "serving", "smol", "7d0c6a52-0b5e-4b1b-9a57-4c0e1f7b2c11"
 CLUSTERS = f"{GROUP}/{VERSION}/{PLURAL}"
 ENGINES = "apps/v1/statefulsets"
 _ALL = {"get", "list", "watch", "create", "patch", "delete"}
+_CHILD_PLURALS = {plural for _, plural in CHILD_RESOURCES} | {"servicemonitors"}
 
 
 def _cluster(**engine: Any) -> dict[str, Any]:
@@ -94,7 +97,7 @@ def _children(api: kmock_lib.KubernetesEmulator) -> dict[str, dict[str, Any]]:
     """Live children by ``Kind/name``."""
     found = {}
     for (resource, _ns, name), obj in api.objects.items():
-        if resource.plural not in (PLURAL, "namespaces") and not obj.deleted:
+        if resource.plural in _CHILD_PLURALS and not obj.deleted:
             found[f"{obj['kind']}/{name}"] = dict(obj.raw)
     return found
 
@@ -243,6 +246,48 @@ async def test_service_monitor_only_when_its_crd_exists(
     assert [c for c in outcome.created if c.startswith("ServiceMonitor/")] != []
 
 
+class RecordingDrainer:
+    """A drainer at the operator's own seam (the real one calls each engine's gRPC drain, tested
+    with real engines in ``tests/integration/test_scale_down.py``): records what it was asked
+    to drain and the StatefulSet's replicas at that moment."""
+
+    def __init__(self, api: kmock_lib.KubernetesEmulator) -> None:
+        self.api = api
+        self.calls: list[tuple[list[str], int, str]] = []
+
+    async def drain(self, cluster: Cluster, pods: list[str]) -> list[Drained]:
+        replicas = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]["replicas"]
+        draining = next(
+            c for c in self.api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Draining"
+        )
+        self.calls.append((pods, replicas, draining["status"]))
+        return [Drained(pod, migrated=3) for pod in pods]
+
+
+async def test_scale_down_drains_the_leaving_engines_before_the_statefulset_shrinks(
+    api: kmock_lib.KubernetesEmulator,
+) -> None:
+    kube = Kube(_info(api))
+    drainer = RecordingDrainer(api)
+    reconciler = Reconciler(kube, drainer)
+    try:
+        api.objects[CLUSTERS, NS, NAME] = _cluster(replicas=4)
+        await reconciler.reconcile(NS, NAME)
+        assert drainer.calls == []  # nothing leaves on creation
+        scale_down = {"spec": {"engine": {"replicas": 2}}, "metadata": {"generation": 2}}
+        api.objects[CLUSTERS, NS, NAME].patch(scale_down)
+        outcome = await reconciler.reconcile(NS, NAME)
+        # The StatefulSet removes the highest ordinals: those drained, while it still had 4, with
+        # the cluster saying Draining=True.
+        assert drainer.calls == [(["smol-engine-3", "smol-engine-2"], 4, "True")]
+        assert [d.pod for d in outcome.drained] == ["smol-engine-3", "smol-engine-2"]
+        assert _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 2
+        await reconciler.reconcile(NS, NAME)
+        assert len(drainer.calls) == 1  # a scale-down done is not drained again
+    finally:
+        await kube.close()
+
+
 # ---- the kopf handlers, running --------------------------------------------------------------
 
 
@@ -305,7 +350,8 @@ async def test_kopf_deletion_leaves_children_to_owner_references(api: kmock_lib.
     await _call(api.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"))
     await _eventually(lambda: api.objects[CLUSTERS, NS, NAME].deleted, "the cluster is gone")
     cluster_path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"
-    assert [w for w in _writes(api, before) if not w.endswith(cluster_path)] == []  # no child touched
+    # No child touched (the cluster itself: kopf's finalizer, and a status still being written).
+    assert [w for w in _writes(api, before) if cluster_path not in w] == []
     assert set(_children(api)) == EXPECTED_CHILDREN  # left to Kubernetes' garbage collector
 
 

@@ -3,6 +3,8 @@
 * The cluster is created, its spec changes, or the operator starts (resume): reconcile it.
 * A timer reconciles every cluster every ``resync_s`` seconds, so drift nobody announced (a
   missed event, a child edited while the operator was down) is put right.
+* The engine count goes down: the engines the StatefulSet will remove drain first (they leave
+  the rotation and migrate their requests away, see ``drain``), then the StatefulSet shrinks.
 * A child (found by its ``managed-by`` label) is modified or deleted: reconcile its cluster. A
   deleted child comes back at once; a child whose replica counts change moves the status.
 * The cluster is deleted: nothing to do. Every child has an owner reference to the cluster and
@@ -23,6 +25,7 @@ from typing import Any
 
 import kopf
 
+from shoal_operator.drain import Drainer, GrpcDrainer
 from shoal_operator.kube import Kube
 from shoal_operator.reconcile import ApiError, Outcome, Reconciler
 from shoal_operator.spec import GROUP, PLURAL, VERSION
@@ -52,12 +55,14 @@ def register(
     login: Callable[[], kopf.ConnectionInfo] | None = None,
     resync_s: float = 60.0,
     scan_cluster: bool = True,
+    drainer: Drainer | None = None,
 ) -> None:
     """Register the operator's handlers in ``registry``.
 
     ``login`` returns the API server's address and credentials; by default the pod's service
     account, else the kubeconfig (as ``kopf run`` finds them). ``scan_cluster=False`` stops kopf
     from listing namespaces and watching CRDs (it then watches exactly the namespaces it is given).
+    ``drainer`` empties the engines a scale-down removes (default: their gRPC drain).
     """
     state = _State()
 
@@ -77,7 +82,7 @@ def register(
         )
         if info is not None:
             state.kube = Kube(info)
-            state.reconciler = Reconciler(state.kube)
+            state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer())
         return info
 
     @kopf.on.cleanup(registry=registry)

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from shoal_operator import status as cluster_status
 from shoal_operator.children import Cluster, render
+from shoal_operator.drain import Drained, Drainer, leaving
 from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
 
 Manifest = dict[str, Any]
@@ -58,6 +59,7 @@ class Outcome:
     created: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
     status_written: bool = False
+    drained: list[Drained] = field(default_factory=list)
     invalid: str = ""
     found: bool = True
 
@@ -107,8 +109,9 @@ def _ref(manifest: Manifest) -> str:
 class Reconciler:
     """Reconciles clusters through ``api``; one reconcile per cluster at a time."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Api, drainer: Drainer | None = None) -> None:
         self._api = api
+        self._drainer = drainer
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def reconcile(self, namespace: str, name: str) -> Outcome:
@@ -133,6 +136,7 @@ class Reconciler:
             return outcome
         cluster = Cluster(name=name, namespace=namespace, uid=body["metadata"]["uid"], spec=spec)
         monitors = await self._api.has_resource("monitoring.coreos.com/v1", "servicemonitors")
+        previous = await self._drain_leaving(cluster, previous, outcome)
         live: dict[str, Manifest] = {}
         for desired in render(cluster, service_monitors=monitors):
             live[_ref(desired)] = await self._apply(desired, outcome)
@@ -144,8 +148,25 @@ class Reconciler:
             redis=live.get(f"StatefulSet/{name}-redis"),
             previous=previous,
         )
-        outcome.status_written = await self._write_status(namespace, name, previous, wanted)
+        outcome.status_written |= await self._write_status(namespace, name, previous, wanted)
         return outcome
+
+    async def _drain_leaving(self, cluster: Cluster, previous: Manifest, outcome: Outcome) -> Manifest:
+        """Before the engine StatefulSet shrinks, drain the engines it will remove; returns the
+        status as it now stands (``Draining=True`` while they drain)."""
+        if self._drainer is None:
+            return previous
+        engines = await self._api.get("apps/v1", "StatefulSet", cluster.namespace, f"{cluster.name}-engine")
+        present = int(((engines or {}).get("spec") or {}).get("replicas") or 0)
+        pods = leaving(cluster, present, cluster.spec.engine.replicas)
+        if not pods:
+            return previous
+        # Say so first: a drain takes up to the spec's deadline.
+        draining = cluster_status.draining(previous, pods)
+        if await self._write_status(cluster.namespace, cluster.name, previous, draining):
+            outcome.status_written = True
+        outcome.drained = await self._drainer.drain(cluster, pods)
+        return draining
 
     async def _apply(self, desired: Manifest, outcome: Outcome) -> Manifest:
         api_version, kind, meta = desired["apiVersion"], desired["kind"], desired["metadata"]

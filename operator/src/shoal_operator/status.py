@@ -134,6 +134,19 @@ def invalid(
     }
 
 
+def draining(previous: Manifest, pods: list[str], now: str | None = None) -> Manifest:
+    """``previous`` with ``Draining=True``: ``pods`` are moving their requests away before the
+    engine StatefulSet shrinks (the rest of the status is recomputed after the change)."""
+    kept = dict(previous)
+    generation = int(kept.get("observedGeneration") or 0)
+    others = [c for c in kept.get("conditions", []) if c.get("type") != "Draining"]
+    condition = _condition(
+        "Draining", True, "ScaleDown", f"{', '.join(pods)} migrating their requests away before removal"
+    )
+    kept["conditions"] = stamp([*others, condition], generation, previous, now)
+    return kept
+
+
 def stamp(
     conditions: list[dict[str, str]], generation: int, previous: Manifest | None, now: str | None
 ) -> list[dict[str, Any]]:

@@ -1,0 +1,116 @@
+"""Scale-down by migration with real engines (a local fleet; no Kubernetes): the operator's
+drainer empties the engine a StatefulSet going from 2 to 1 replicas would remove, while streams
+run, and every stream completes exactly once.
+
+The drained engine leaves the rotation (DRAINING in Redis) and moves its requests to the other
+engine. No shutdown follows here (nothing deletes a pod), so it returns to service by itself
+after ``REJOIN_AFTER_S``, as it would if the scale-down were called off; the fleet stays whole
+for the tests after this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from shoal_operator.children import Cluster
+from shoal_operator.drain import GrpcDrainer, leaving
+from shoal_operator.spec import InferenceClusterSpec
+
+from tests.integration.support import RunningFleet, wait_until
+from tests.integration.test_migration import _agree
+
+pytestmark = pytest.mark.integration
+
+REJOIN_AFTER_S = 4.0
+STREAMS, MAX_TOKENS = 6, 160
+
+
+def _states(fleet: RunningFleet) -> dict[str, str]:
+    engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=5).json()["engines"]
+    return engines
+
+
+async def test_scale_down_drains_the_leaving_engine_while_streams_run(smol_fleet: RunningFleet) -> None:
+    engines = [smol_fleet.cfg.engine_id(i) for i in range(smol_fleet.cfg.engines)]
+    wait_until(lambda: all(_states(smol_fleet).get(e) == "ACTIVE" for e in engines), 15.0, "engines ACTIVE")
+    cluster = Cluster(
+        name="smol",
+        namespace="local",
+        uid="local",
+        spec=InferenceClusterSpec.model_validate(
+            {"model": {"source": "SmolLM2", "servedName": smol_fleet.model}, "engine": {"replicas": 1}}
+        ),
+    )
+    (pod,) = leaving(cluster, present=2, wanted=1)
+    victim = engines[int(pod.rsplit("-", 1)[1])]  # the pod's ordinal is the engine's index
+    record = smol_fleet.engine_record(victim)
+    assert record is not None and record.control_address
+    control = record.control_address
+    drainer = GrpcDrainer(address=lambda _cluster, _pod: control, rejoin_after_s=REJOIN_AFTER_S)
+
+    client = openai.AsyncOpenAI(
+        base_url=smol_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
+    )
+    prompts = [[900 + 13 * i + j for j in range(5)] for i in range(STREAMS)]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    async def reference(prompt: list[int]) -> list[int]:
+        reply = await client.completions.create(
+            model=smol_fleet.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
+        return list(reply.choices[0].model_extra["token_ids"])  # type: ignore[index]
+
+    references = await asyncio.gather(*(reference(p) for p in prompts))
+    started = asyncio.Event()
+    on: dict[int, str] = {}
+    request_ids: dict[int, str] = {}
+
+    async def streamed(i: int) -> list[int]:
+        response = await client.completions.create(
+            model=smol_fleet.model, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            extra_body=extra,
+        )  # fmt: skip
+        on[i] = response.response.headers["x-shoal-engine"]
+        request_ids[i] = response.response.headers["x-shoal-request-id"]
+        if len(on) == STREAMS:
+            started.set()
+        ids: list[int] = []
+        async for chunk in response:
+            ids.extend(chunk.choices[0].model_extra["token_ids"])  # type: ignore[index]
+        return ids
+
+    tasks = [asyncio.create_task(streamed(i)) for i in range(STREAMS)]
+    await asyncio.wait_for(started.wait(), 120)
+    assert victim in on.values(), on  # the router spreads six streams over both engines
+    (drained,) = await drainer.drain(cluster, [pod])
+    drained_at = time.monotonic()
+    # Out of the rotation and empty: nothing new reaches it, nothing runs on it.
+    assert drained.error == "" and drained.remaining == 0, drained
+    record = smol_fleet.engine_record(victim)
+    assert record is not None and record.state == "DRAINING"
+    got = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    # Every stream complete, once: the same tokens as its reference (up to a batch-shape tie,
+    # as in the 16-stream drain test: a second reference run finds those).
+    again = await asyncio.gather(*(reference(p) for p in prompts))
+    for i, ids in enumerate(got):
+        stable = _agree(references[i], again[i])
+        assert len(ids) == MAX_TOKENS and ids[:stable] == references[i][:stable], (i, on[i], stable)
+    listed = smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 100)
+    moves = [smol_fleet.migration_record(m.decode()) for m in listed]
+    moved = {
+        m.request_id
+        for m in moves
+        if m is not None and (m.reason, m.source, m.outcome) == ("drain", victim, "MIGRATED")
+    }
+    assert drained.migrated == len(moved & set(request_ids.values())) >= 1
+
+    # No pod deletion followed: the engine serves again by itself.
+    wait_until(
+        lambda: _states(smol_fleet).get(victim) == "ACTIVE", REJOIN_AFTER_S + 15, f"{victim} serving again"
+    )
+    assert time.monotonic() - drained_at >= REJOIN_AFTER_S - 0.5
