@@ -129,6 +129,11 @@ def test_only_the_clusters_own_pods_reach_its_engines() -> None:
     cluster = cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")
     policy = one(children.render(cluster), "NetworkPolicy", "engine")["spec"]
     assert policy["podSelector"]["matchLabels"] == children.selector(cluster, "engine")
-    same, metrics = policy["ingress"]
+    same, metrics, operator = policy["ingress"]
     assert same == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "smol"}}}]}
     assert metrics == {"ports": [{"port": children.ENGINE_HTTP_PORT, "protocol": "TCP"}]}
+    # The operator drains engines before a scale-down: their control port, from its pods only.
+    assert operator == {
+        "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": children.OPERATOR_LABELS}}],
+        "ports": [{"port": children.ENGINE_CONTROL_PORT, "protocol": "TCP"}],
+    }

@@ -40,6 +40,8 @@ REDIS_PORT = 6379
 EXIT_GRACE_S = 30
 
 Manifest = dict[str, Any]
+OPERATOR_LABELS = {"app.kubernetes.io/name": "shoal-operator"}
+"""Labels of the operator's own pods (the chart sets them): engines take drain calls from them."""
 
 
 @dataclass(frozen=True)
@@ -353,12 +355,18 @@ def pod_disruption_budget(cluster: Cluster, component: str, limit: dict[str, int
     }
 
 
-def network_policy(cluster: Cluster, component: str, open_ports: tuple[int, ...] = ()) -> Manifest:
-    """Only the cluster's own pods reach ``component``; ``open_ports`` (metrics) from anywhere."""
+def network_policy(
+    cluster: Cluster, component: str, open_ports: tuple[int, ...] = (), operator_ports: tuple[int, ...] = ()
+) -> Manifest:
+    """Only the cluster's own pods reach ``component``; ``open_ports`` (metrics) from anywhere,
+    ``operator_ports`` (the engines' control API, for drains) from the operator's pods."""
     same_cluster = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": cluster.name}}}
     rules: list[dict[str, Any]] = [{"from": [same_cluster]}]
     if open_ports:
         rules.append({"ports": [{"port": p, "protocol": "TCP"} for p in open_ports]})
+    if operator_ports:
+        operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_LABELS}}
+        rules.append({"from": [operator], "ports": [{"port": p, "protocol": "TCP"} for p in operator_ports]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -401,7 +409,7 @@ def render(cluster: Cluster, service_monitors: bool = False) -> list[Manifest]:
         pod_disruption_budget(
             cluster, "router", {"minAvailable": 1} if spec.router.replicas > 1 else {"maxUnavailable": 1}
         ),
-        network_policy(cluster, "engine", (ENGINE_HTTP_PORT,)),
+        network_policy(cluster, "engine", (ENGINE_HTTP_PORT,), (ENGINE_CONTROL_PORT,)),
         network_policy(cluster, "tokenizer"),
     ]
     if spec.router.ingress.enabled:
