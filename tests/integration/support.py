@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import re
+import shutil
+import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +48,28 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 REFERENCE_PROMPTS = [_prompt(i, 8 + 3 * i) for i in range(32)]
 REFERENCE_MAX_TOKENS = 48
+
+
+@contextlib.contextmanager
+def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """A throwaway ``redis-server`` on ``port`` (no persistence), stopped on exit."""
+    binary = shutil.which("redis-server")
+    assert binary is not None, "redis-server is not installed; `make setup` installs it"
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        ping = ["redis-cli", "-p", str(port), "ping"]
+        while subprocess.run(ping, check=False, capture_output=True).stdout != b"PONG\n":
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.05) -> None:

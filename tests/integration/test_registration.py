@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -28,6 +27,7 @@ from shoal_protos.records import (
     engine_record_decoder,
     state_client,
 )
+from tests.integration.support import redis_server as run_redis
 
 pytestmark = pytest.mark.integration
 
@@ -38,23 +38,8 @@ INTERVAL_S = 0.05
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[subprocess.Popen[bytes]]:
-    binary = shutil.which("redis-server")
-    assert binary is not None, "redis-server is not installed; `make setup` installs it"
-    proc = subprocess.Popen(
-        [binary, "--port", str(PORT), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        ping = ["redis-cli", "-p", str(PORT), "ping"]
-        while subprocess.run(ping, check=False, capture_output=True).stdout != b"PONG\n":
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
+    with run_redis(PORT) as proc:
         yield proc
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:

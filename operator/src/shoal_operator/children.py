@@ -418,7 +418,8 @@ def render(cluster: Cluster, service_monitors: bool = False) -> list[Manifest]:
         children += [
             redis_statefulset(cluster),
             _service(cluster, "redis", [("redis", REDIS_PORT)]),
-            network_policy(cluster, "redis"),
+            # The operator reads the engines' load reports to autoscale.
+            network_policy(cluster, "redis", operator_ports=(REDIS_PORT,)),
         ]
     if service_monitors:
         children.append(service_monitor(cluster))

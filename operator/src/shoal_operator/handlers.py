@@ -1,6 +1,8 @@
 """The kopf handlers: every event about a cluster or one of its children reconciles the cluster.
 
 * The cluster is created, its spec changes, or the operator starts (resume): reconcile it.
+* Clusters with ``autoscaling.enabled`` are sized from their load every ``autoscale_s`` seconds
+  (see ``autoscale``); the new engine count goes through the same reconcile.
 * A timer reconciles every cluster every ``resync_s`` seconds, so drift nobody announced (a
   missed event, a child edited while the operator was down) is put right.
 * The engine count goes down: the engines the StatefulSet will remove drain first (they leave
@@ -19,12 +21,16 @@ schema declares in full), and posts Kubernetes events only for warnings.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from redis.exceptions import RedisError
 
+from shoal_operator.autoscale import Autoscaler
+from shoal_operator.children import Cluster
 from shoal_operator.drain import Drainer, GrpcDrainer
 from shoal_operator.kube import Kube
 from shoal_operator.reconcile import ApiError, Outcome, Reconciler
@@ -48,6 +54,7 @@ RETRY_DELAY_S = 5.0
 class _State:
     kube: Kube | None = None
     reconciler: Reconciler | None = None
+    autoscaler: Autoscaler | None = None
 
 
 def register(
@@ -56,6 +63,8 @@ def register(
     resync_s: float = 60.0,
     scan_cluster: bool = True,
     drainer: Drainer | None = None,
+    autoscale_s: float = 15.0,
+    redis_url: Callable[[Cluster], Awaitable[str]] | None = None,
 ) -> None:
     """Register the operator's handlers in ``registry``.
 
@@ -63,6 +72,8 @@ def register(
     account, else the kubeconfig (as ``kopf run`` finds them). ``scan_cluster=False`` stops kopf
     from listing namespaces and watching CRDs (it then watches exactly the namespaces it is given).
     ``drainer`` empties the engines a scale-down removes (default: their gRPC drain).
+    ``autoscale_s`` is how often autoscaled clusters are sized from their load in Redis, found at
+    ``redis_url(cluster)`` (default: the managed Redis Service, or the spec's URL or Secret).
     """
     state = _State()
 
@@ -83,10 +94,13 @@ def register(
         if info is not None:
             state.kube = Kube(info)
             state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer())
+            state.autoscaler = Autoscaler(state.kube, redis_url)
         return info
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        if state.autoscaler is not None:
+            await state.autoscaler.close()
         if state.kube is not None:
             await state.kube.close()
 
@@ -118,6 +132,21 @@ def register(
     @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_s, initial_delay=resync_s, registry=registry)
     async def resync(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
         await reconcile(namespace, name, logger)
+
+    def autoscaled(spec: kopf.Spec, **_: Any) -> bool:
+        return bool((spec.get("autoscaling") or {}).get("enabled"))
+
+    @kopf.timer(GROUP, VERSION, PLURAL, interval=autoscale_s, when=autoscaled, registry=registry)
+    async def autoscale(body: kopf.Body, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
+        if state.autoscaler is None:
+            raise kopf.TemporaryError("not logged in to the API server yet", delay=RETRY_DELAY_S)
+        try:
+            replicas = await state.autoscaler.step(dict(body), time.time())
+        except (ApiError, RedisError, OSError) as exc:
+            logger.warning(f"cannot autoscale: {exc}")
+            return
+        if replicas is not None:
+            logger.info(f"autoscaling: engines set to {replicas}")
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
     def cluster_deleted(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:

@@ -1,0 +1,153 @@
+"""Built-in engine autoscaling from the fleet's own load reports in Redis.
+
+Every engine writes a load report to Redis each second (running and waiting requests, KV blocks
+used and free). The autoscaler reads the reports of the cluster's ACTIVE engines, averages the
+chosen metric (``kvUsage``: KV blocks used over all blocks; ``queueLength``: waiting requests per
+engine), and sizes the fleet the way Kubernetes' HPA does: ``ceil(engines * metric / target)``,
+left alone within 10 % of the target, clamped to ``minReplicas..maxReplicas``.
+
+Scaling up goes straight to that size. Scaling down removes one engine at a time: each removal
+is a drain (its requests migrate to the others), and the next one waits for the cool-down, so
+the fleet never sheds more than it can absorb. Any change waits ``cooldownSeconds`` after the
+previous one, which is kept in an annotation on the cluster (it survives operator restarts).
+The change is a patch of ``spec.engine.replicas``; the reconciler does the rest (drain, then
+shrink). HPA or KEDA can drive the scale subresource instead, with ``autoscaling.enabled`` off.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from shoal_operator.children import REDIS_PORT, Cluster
+from shoal_operator.reconcile import CLUSTER_API_VERSION, Api, ApiError, Manifest
+from shoal_operator.spec import KIND, AutoscalingSpec, EngineSpec, InferenceClusterSpec
+from shoal_protos.records import Keys, engine_record_decoder, load_report_decoder
+
+LAST_SCALE_ANNOTATION = "shoal.dev/last-scale-time"
+TOLERANCE = 0.1
+"""No change while the metric is within this fraction of the target (as HPA's default)."""
+STALE_S = 10.0
+"""Reports older than this are an engine that stopped reporting: left out."""
+
+
+@dataclass(frozen=True)
+class FleetLoad:
+    """The mean load of the ACTIVE engines that reported recently."""
+
+    engines: int
+    kv_usage: float = 0.0
+    queue_per_engine: float = 0.0
+
+
+def desired_replicas(
+    autoscaling: AutoscalingSpec,
+    engine: EngineSpec,
+    load: FleetLoad,
+    current: int,
+    last_scale: float | None,
+    now: float,
+) -> int:
+    """The engine count to set now (``current`` when nothing should change)."""
+    if not autoscaling.enabled or load.engines == 0:
+        return current
+    if last_scale is not None and now - last_scale < autoscaling.cooldown_seconds:
+        return current
+    metric = load.kv_usage if autoscaling.metric == "kvUsage" else load.queue_per_engine
+    ratio = metric / autoscaling.target
+    wanted = current if abs(ratio - 1.0) <= TOLERANCE else math.ceil(load.engines * ratio)
+    wanted = max(engine.min_replicas, min(engine.max_replicas, wanted))
+    if wanted < current:
+        # One drain at a time, and none while engines are still starting (not reporting yet).
+        return current - 1 if load.engines >= current else current
+    return wanted
+
+
+async def read_load(client: aioredis.Redis, cluster_id: str, now: float) -> FleetLoad:
+    """The load of ``cluster_id``'s ACTIVE engines from their reports (stale ones left out)."""
+    keys = Keys(cluster_id)
+    ids = sorted(member.decode() for member in await client.smembers(keys.engines))
+    if not ids:
+        return FleetLoad(engines=0)
+    records = await client.mget([keys.engine(i) for i in ids])
+    reports = await client.mget([keys.load(i) for i in ids])
+    used = total = waiting = engines = 0
+    for record_raw, report_raw in zip(records, reports, strict=True):
+        if record_raw is None or report_raw is None:
+            continue
+        try:
+            record, report = engine_record_decoder.decode(record_raw), load_report_decoder.decode(report_raw)
+        except msgspec.DecodeError:
+            continue
+        if record.state != "ACTIVE" or now - report.time > STALE_S:
+            continue
+        engines += 1
+        used += report.kv_blocks_used
+        total += report.kv_blocks_used + report.kv_blocks_free
+        waiting += report.num_waiting
+    if engines == 0:
+        return FleetLoad(engines=0)
+    return FleetLoad(
+        engines=engines, kv_usage=used / total if total else 0.0, queue_per_engine=waiting / engines
+    )
+
+
+class Autoscaler:
+    """Sizes autoscaled clusters from their Redis load reports; patches ``spec.engine.replicas``."""
+
+    def __init__(self, api: Api, redis_url: Callable[[Cluster], Awaitable[str]] | None = None) -> None:
+        self._api = api
+        self._redis_url = redis_url or self._cluster_redis_url
+        self._clients: dict[str, aioredis.Redis] = {}
+
+    async def step(self, body: Manifest, now: float) -> int | None:
+        """Resize the cluster in ``body`` if its load asks for it; returns the new engine count."""
+        meta = body["metadata"]
+        try:
+            spec = InferenceClusterSpec.model_validate(body.get("spec") or {})
+        except ValidationError:
+            return None  # the reconciler reports it
+        if not spec.autoscaling.enabled:
+            return None
+        cluster = Cluster(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""), spec=spec)
+        url = await self._redis_url(cluster)
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = aioredis.Redis.from_url(url, socket_timeout=5)
+        load = await read_load(client, cluster.cluster_id, now)
+        last = (meta.get("annotations") or {}).get(LAST_SCALE_ANNOTATION)
+        current = spec.engine.replicas
+        wanted = desired_replicas(
+            spec.autoscaling, spec.engine, load, current, float(last) if last else None, now
+        )
+        if wanted == current:
+            return None
+        patch = {
+            "metadata": {"annotations": {LAST_SCALE_ANNOTATION: f"{now:.3f}"}},
+            "spec": {"engine": {"replicas": wanted}},
+        }
+        await self._api.patch(CLUSTER_API_VERSION, KIND, cluster.namespace, cluster.name, patch)
+        return wanted
+
+    async def _cluster_redis_url(self, cluster: Cluster) -> str:
+        redis = cluster.spec.redis
+        if redis.mode == "managed":
+            return f"redis://{cluster.name}-redis.{cluster.namespace}.svc:{REDIS_PORT}/0"
+        if redis.url_secret is None:
+            return str(redis.url)
+        secret = await self._api.get("v1", "Secret", cluster.namespace, redis.url_secret.name)
+        encoded = ((secret or {}).get("data") or {}).get(redis.url_secret.key)
+        if not encoded:
+            raise ApiError(404, f"Secret {redis.url_secret.name} has no key {redis.url_secret.key}")
+        return base64.b64decode(encoded).decode()
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
