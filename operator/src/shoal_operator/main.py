@@ -2,7 +2,8 @@
 
 By default it watches the namespaces named in ``WATCH_NAMESPACE`` (comma-separated), or its own
 namespace in a pod; ``--all-namespaces`` watches the whole cluster (that needs the chart's
-cluster-scoped RBAC). Liveness is served on ``--liveness`` for the pod's probe.
+cluster-scoped RBAC); with named namespaces the operator makes no cluster-wide read, so
+namespaced Roles suffice. Liveness is served on ``--liveness`` for the pod's probe.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.resync_seconds <= 0:
         parser.error("--resync-seconds must be positive")
-    register(kopf.get_default_registry(), resync_s=args.resync_seconds)
+    # Watching named namespaces needs no cluster-wide reads (least privilege: namespaced Roles);
+    # watching all of them lets kopf follow namespaces and CRDs as they come and go.
+    register(kopf.get_default_registry(), resync_s=args.resync_seconds, scan_cluster=args.all_namespaces)
     kopf.run(
         clusterwide=args.all_namespaces,
         namespaces=[] if args.all_namespaces else (args.namespace or _default_namespaces()),
