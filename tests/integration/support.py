@@ -50,6 +50,22 @@ REFERENCE_PROMPTS = [_prompt(i, 8 + 3 * i) for i in range(32)]
 REFERENCE_MAX_TOKENS = 48
 
 
+GREEDY_IDS = {"ignore_eos": True, "return_token_ids": True}
+"""``extra_body`` of the tests' greedy requests: the full length, token ids in every chunk."""
+
+
+def async_client(fleet: RunningFleet) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+async def greedy_ids(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """Token ids of one greedy completion, not streamed (a reference)."""
+    reply = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=GREEDY_IDS
+    )
+    return list(reply.choices[0].model_extra["token_ids"])  # type: ignore[index]
+
+
 @contextlib.contextmanager
 def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
     """A throwaway ``redis-server`` on ``port`` (no persistence), stopped on exit."""

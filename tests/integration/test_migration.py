@@ -13,13 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import openai
 import psutil
 import pytest
 
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import GREEDY_IDS, RunningFleet, async_client, greedy_ids, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -386,16 +385,10 @@ async def test_drain_moves_every_stream_off_the_engine(smol_fleet: RunningFleet)
     prompts = [[600 + 11 * i + j for j in range(5)] for i in range(16)]
     # Longer than the other tests' streams: the client reads 16 at once and lags the engines.
     max_tokens = 2 * LONG
-    client = openai.AsyncOpenAI(
-        base_url=smol_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
-    )
-    extra = {"ignore_eos": True, "return_token_ids": True}
+    client = async_client(smol_fleet)
 
     async def reference(prompt: list[int]) -> list[int]:
-        reply = await client.completions.create(
-            model=smol_fleet.model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
-        )
-        return list(reply.choices[0].model_extra["token_ids"])  # type: ignore[index]
+        return await greedy_ids(client, smol_fleet.model, prompt, max_tokens)
 
     # The references run 16 at a time too, so that both runs batch alike.
     references = await asyncio.gather(*(reference(p) for p in prompts))
@@ -410,7 +403,7 @@ async def test_drain_moves_every_stream_off_the_engine(smol_fleet: RunningFleet)
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
-            extra_body=extra,
+            extra_body=GREEDY_IDS,
         )
         engines[i] = response.response.headers["x-shoal-engine"]
         if len(engines) == len(prompts):

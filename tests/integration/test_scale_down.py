@@ -14,13 +14,12 @@ import asyncio
 import time
 
 import httpx
-import openai
 import pytest
 from shoal_operator.children import Cluster
 from shoal_operator.drain import GrpcDrainer, leaving
 from shoal_operator.spec import InferenceClusterSpec
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import GREEDY_IDS, RunningFleet, async_client, greedy_ids, wait_until
 from tests.integration.test_migration import _agree
 
 pytestmark = pytest.mark.integration
@@ -52,17 +51,11 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(smol_fleet
     control = record.control_address
     drainer = GrpcDrainer(address=lambda _cluster, _pod: control, rejoin_after_s=REJOIN_AFTER_S)
 
-    client = openai.AsyncOpenAI(
-        base_url=smol_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
-    )
+    client = async_client(smol_fleet)
     prompts = [[900 + 13 * i + j for j in range(5)] for i in range(STREAMS)]
-    extra = {"ignore_eos": True, "return_token_ids": True}
 
     async def reference(prompt: list[int]) -> list[int]:
-        reply = await client.completions.create(
-            model=smol_fleet.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
-        )
-        return list(reply.choices[0].model_extra["token_ids"])  # type: ignore[index]
+        return await greedy_ids(client, smol_fleet.model, prompt, MAX_TOKENS)
 
     references = await asyncio.gather(*(reference(p) for p in prompts))
     started = asyncio.Event()
@@ -72,7 +65,7 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(smol_fleet
     async def streamed(i: int) -> list[int]:
         response = await client.completions.create(
             model=smol_fleet.model, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            extra_body=extra,
+            extra_body=GREEDY_IDS,
         )  # fmt: skip
         on[i] = response.response.headers["x-shoal-engine"]
         request_ids[i] = response.response.headers["x-shoal-request-id"]
