@@ -13,8 +13,10 @@ import os
 from pathlib import Path
 
 import kopf
+import yaml
 
 from shoal_operator.handlers import register
+from shoal_operator.rbac import manifests
 
 _POD_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -41,7 +43,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--standalone", action="store_true", help="skip kopf's peering (only one operator replica runs)"
     )
+    parser.add_argument(
+        "--print-rbac",
+        metavar="OPERATOR_NAMESPACE",
+        help="print the ServiceAccount (in this namespace) and the least permissions for the watched "
+        "namespaces as YAML for kubectl apply, and exit",
+    )
     args = parser.parse_args(argv)
+    if args.print_rbac:
+        watched = None if args.all_namespaces else (args.namespace or _default_namespaces())
+        print(yaml.safe_dump_all(manifests(args.print_rbac, watched), sort_keys=False), end="")
+        return
     if args.resync_seconds <= 0:
         parser.error("--resync-seconds must be positive")
     # Watching named namespaces needs no cluster-wide reads (least privilege: namespaced Roles);
