@@ -102,7 +102,7 @@ def _children(api: kmock_lib.KubernetesEmulator) -> dict[str, dict[str, Any]]:
     return found
 
 
-async def _eventually(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+async def _eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
