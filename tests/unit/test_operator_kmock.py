@@ -282,8 +282,12 @@ async def test_scale_down_drains_the_leaving_engines_before_the_statefulset_shri
         assert drainer.calls == [(["smol-engine-3", "smol-engine-2"], 4, "True")]
         assert [d.pod for d in outcome.drained] == ["smol-engine-3", "smol-engine-2"]
         assert _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 2
+        before = len(_requests(api))
         await reconciler.reconcile(NS, NAME)
         assert len(drainer.calls) == 1  # a scale-down done is not drained again
+        path = f"/apis/apps/v1/namespaces/{NS}/statefulsets/smol-engine"
+        reads = [r for r in _requests(api)[before:] if r.method.value == "GET" and r.url.path == path]
+        assert len(reads) == 1  # read once per pass, for the drain check and the reconcile both
     finally:
         await kube.close()
 

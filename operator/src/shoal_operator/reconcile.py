@@ -136,10 +136,17 @@ class Reconciler:
             return outcome
         cluster = Cluster(name=name, namespace=namespace, uid=body["metadata"]["uid"], spec=spec)
         monitors = await self._api.has_resource("monitoring.coreos.com/v1", "servicemonitors")
-        previous = await self._drain_leaving(cluster, previous, outcome)
+        known: dict[str, Manifest | None] = {}  # children already read this pass
+        if self._drainer is not None:
+            engines = await self._api.get("apps/v1", "StatefulSet", namespace, f"{name}-engine")
+            known[f"StatefulSet/{name}-engine"] = engines
+            previous = await self._drain_leaving(cluster, engines, previous, outcome)
         live: dict[str, Manifest] = {}
         for desired in render(cluster, service_monitors=monitors):
-            live[_ref(desired)] = await self._apply(desired, outcome)
+            ref = _ref(desired)
+            live[ref] = await self._apply(
+                desired, outcome, known[ref] if ref in known else await self._get(desired)
+            )
         wanted = cluster_status.compute(
             cluster,
             generation,
@@ -151,12 +158,12 @@ class Reconciler:
         outcome.status_written |= await self._write_status(namespace, name, previous, wanted)
         return outcome
 
-    async def _drain_leaving(self, cluster: Cluster, previous: Manifest, outcome: Outcome) -> Manifest:
-        """Before the engine StatefulSet shrinks, drain the engines it will remove; returns the
-        status as it now stands (``Draining=True`` while they drain)."""
-        if self._drainer is None:
-            return previous
-        engines = await self._api.get("apps/v1", "StatefulSet", cluster.namespace, f"{cluster.name}-engine")
+    async def _drain_leaving(
+        self, cluster: Cluster, engines: Manifest | None, previous: Manifest, outcome: Outcome
+    ) -> Manifest:
+        """Before the engine StatefulSet (``engines``, as it is now) shrinks, drain the engines it
+        will remove; returns the status as it now stands (``Draining=True`` while they drain)."""
+        assert self._drainer is not None
         present = int(((engines or {}).get("spec") or {}).get("replicas") or 0)
         pods = leaving(cluster, present, cluster.spec.engine.replicas)
         if not pods:
@@ -168,9 +175,13 @@ class Reconciler:
         outcome.drained = await self._drainer.drain(cluster, pods)
         return draining
 
-    async def _apply(self, desired: Manifest, outcome: Outcome) -> Manifest:
+    async def _get(self, manifest: Manifest) -> Manifest | None:
+        meta = manifest["metadata"]
+        return await self._api.get(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+
+    async def _apply(self, desired: Manifest, outcome: Outcome, live: Manifest | None) -> Manifest:
+        """Bring the child ``desired`` describes to it, given it as read (``live``, None: absent)."""
         api_version, kind, meta = desired["apiVersion"], desired["kind"], desired["metadata"]
-        live = await self._api.get(api_version, kind, meta["namespace"], meta["name"])
         if live is None:
             try:
                 created = await self._api.create(desired)
@@ -180,7 +191,7 @@ class Reconciler:
             else:
                 outcome.created.append(_ref(desired))
                 return created
-            live = await self._api.get(api_version, kind, meta["namespace"], meta["name"]) or {}
+            live = await self._get(desired) or {}
         if not drifted(_owned_fields(desired), live):
             return live
         outcome.patched.append(_ref(desired))
