@@ -123,28 +123,30 @@ def invalid(
     The counts and other conditions stay as they were: the children are left running as they
     are, and the spec's last valid generation keeps describing them.
     """
-    kept = dict(previous or {})
-    others = [c for c in kept.get("conditions", []) if c.get("type") != "Ready"]
     ready = _condition("Ready", False, "InvalidSpec", message[:4000])
     return {
-        **kept,
+        **_with_condition(previous or {}, ready, generation, now),
         "observedGeneration": generation,
         "ready": "False",
-        "conditions": stamp([ready, *others], generation, previous, now),
     }
 
 
 def draining(previous: Manifest, pods: list[str], now: str | None = None) -> Manifest:
     """``previous`` with ``Draining=True``: ``pods`` are moving their requests away before the
     engine StatefulSet shrinks (the rest of the status is recomputed after the change)."""
-    kept = dict(previous)
-    generation = int(kept.get("observedGeneration") or 0)
-    others = [c for c in kept.get("conditions", []) if c.get("type") != "Draining"]
     condition = _condition(
         "Draining", True, "ScaleDown", f"{', '.join(pods)} migrating their requests away before removal"
     )
-    kept["conditions"] = stamp([*others, condition], generation, previous, now)
-    return kept
+    return _with_condition(previous, condition, int(previous.get("observedGeneration") or 0), now)
+
+
+def _with_condition(
+    previous: Manifest, condition: dict[str, str], generation: int, now: str | None
+) -> Manifest:
+    """``previous`` with ``condition`` instead of its condition of that type (or with it added),
+    stamped."""
+    conditions = [c for c in previous.get("conditions", []) if c.get("type") != condition["type"]]
+    return {**previous, "conditions": stamp([*conditions, condition], generation, previous, now)}
 
 
 def stamp(
