@@ -22,7 +22,7 @@ import pytest
 from shoal_operator.children import Cluster
 from shoal_operator.drain import Drained
 from shoal_operator.handlers import CHILD_RESOURCES, register
-from shoal_operator.kube import Kube
+from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import Reconciler
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
@@ -49,16 +49,14 @@ def _cluster(**engine: Any) -> dict[str, Any]:
 
 def _declare(api: kmock_lib.KubernetesEmulator, service_monitors: bool = False) -> None:
     """What the API server would discover: the CRD and the children's kinds."""
-    api.resources[CLUSTERS] = kmock_lib.ResourceInfo(
-        kind=KIND, namespaced=True, verbs=_ALL, subresources={"status", "scale"},
-    )  # fmt: skip
-    kinds = {"configmaps": "ConfigMap", "services": "Service", "statefulsets": "StatefulSet",
-             "deployments": "Deployment", "poddisruptionbudgets": "PodDisruptionBudget",
-             "networkpolicies": "NetworkPolicy", "ingresses": "Ingress"}  # fmt: skip
-    for api_version, plural in CHILD_RESOURCES:
-        api.resources[f"{api_version}/{plural}"] = kmock_lib.ResourceInfo(
-            kind=kinds[plural], namespaced=True, verbs=_ALL
-        )
+    for (api_version, kind), plural in PLURALS.items():
+        if plural != "servicemonitors" or service_monitors:
+            api.resources[f"{api_version}/{plural}"] = kmock_lib.ResourceInfo(
+                kind=kind,
+                namespaced=True,
+                verbs=_ALL,
+                subresources={"status", "scale"} if plural == PLURAL else set(),
+            )
     api.resources["v1/events"] = kmock_lib.ResourceInfo(kind="Event", namespaced=True, verbs={"create"})
     # kopf lists namespaces and watches CRDs to follow what the cluster serves.
     api.resources["v1/namespaces"] = kmock_lib.ResourceInfo(kind="Namespace", namespaced=False, verbs=_ALL)
@@ -70,10 +68,6 @@ def _declare(api: kmock_lib.KubernetesEmulator, service_monitors: bool = False) 
         "kind": "Namespace",
         "metadata": {"name": NS},
     }
-    if service_monitors:
-        api.resources["monitoring.coreos.com/v1/servicemonitors"] = kmock_lib.ResourceInfo(
-            kind="ServiceMonitor", namespaced=True, verbs={"get", "create", "patch"}
-        )
 
 
 def _info(api: kmock_lib.KubernetesEmulator) -> kopf.ConnectionInfo:

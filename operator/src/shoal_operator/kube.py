@@ -33,13 +33,17 @@ PLURALS: dict[tuple[str, str], str] = {
 """REST names of the kinds the operator reads and writes."""
 
 
+def _root(api_version: str) -> str:
+    """Where ``api_version`` is served: the core group under ``/api``, the others under ``/apis``."""
+    return "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+
+
 def path(api_version: str, kind: str, namespace: str, name: str = "", subresource: str = "") -> str:
     """The REST path of a namespaced object (or of its collection when ``name`` is empty)."""
     plural = PLURALS.get((api_version, kind))
     if plural is None:
         raise ValueError(f"the operator does not manage {kind} ({api_version})")
-    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    parts = [root, "namespaces", namespace, plural, name, subresource]
+    parts = [_root(api_version), "namespaces", namespace, plural, name, subresource]
     return "/" + "/".join(part.strip("/") for part in parts if part)
 
 
@@ -96,9 +100,8 @@ class Kube:
     async def has_resource(self, api_version: str, plural: str) -> bool:
         """Whether the API serves ``plural`` in ``api_version`` (asked once, then remembered)."""
         if api_version not in self._discovered:
-            root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
             try:
-                listing = await self._call("GET", root)
+                listing = await self._call("GET", _root(api_version))
             except ApiError:
                 listing = None
             names = {r.get("name", "") for r in (listing or {}).get("resources", [])}
