@@ -414,15 +414,23 @@ async def test_drain_moves_every_stream_off_the_engine(smol_fleet: RunningFleet)
         finished_at[i] = time.monotonic()
         return ids
 
-    tasks = [asyncio.create_task(streamed(i)) for i in range(len(prompts))]
-    await asyncio.wait_for(all_started.wait(), 120)
-    drained = max(ENGINES, key=lambda e: sum(1 for engine in engines.values() if engine == e))
-    on_drained = sum(1 for engine in engines.values() if engine == drained)
-    drain_started = time.monotonic()
-    result: pb.DrainResult = await asyncio.to_thread(
-        smol_fleet.control(drained).Drain, pb.DrainRequest(deadline_s=120), timeout=180
-    )
-    got = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    # A machine that leaves the engine unscheduled for longer than its streams last (seen: 20 s)
+    # lets the drain arrive after they ended, with nothing to move: the scene runs again then.
+    for _attempt in range(3):
+        engines.clear()
+        finished_at.clear()
+        all_started.clear()
+        tasks = [asyncio.create_task(streamed(i)) for i in range(len(prompts))]
+        await asyncio.wait_for(all_started.wait(), 120)
+        drained = max(ENGINES, key=lambda e: sum(1 for engine in engines.values() if engine == e))
+        on_drained = sum(1 for engine in engines.values() if engine == drained)
+        drain_started = time.monotonic()
+        result: pb.DrainResult = await asyncio.to_thread(
+            smol_fleet.control(drained).Drain, pb.DrainRequest(deadline_s=120), timeout=180
+        )
+        got = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        if result.migrations:
+            break
 
     # Every request the engine ran left it; none failed; the streams went on elsewhere.
     assert result.remaining == 0 and result.failed == 0, result
