@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from shoal_operator.autoscale import FleetLoad, desired_replicas
+from shoal_operator.autoscale import Autoscaler, FleetLoad, desired_replicas
+from shoal_operator.children import Cluster
 from shoal_operator.spec import AutoscalingSpec, EngineSpec
 
 
@@ -58,3 +59,21 @@ def test_disabled_or_no_reports_change_nothing() -> None:
     assert desired_replicas(scaling, engine, FleetLoad(4, 0.9), current=4, last_scale=None, now=0.0) == 4
     scaling, engine = _specs()
     assert desired_replicas(scaling, engine, FleetLoad(0), current=4, last_scale=None, now=0.0) == 4
+
+
+async def test_no_change_while_engines_roll_over() -> None:
+    """A rollout's surge engines would read as spare capacity: the autoscaler waits it out
+    without reading the load (a Redis lookup here would fail the test)."""
+
+    async def no_redis(cluster: Cluster) -> str:
+        raise AssertionError("the autoscaler read the load during a rollout")
+
+    body = {
+        "metadata": {"name": "ic", "namespace": "ns", "uid": "u-1"},
+        "spec": {
+            "model": {"source": "/models/smol", "servedName": "smol"},
+            "autoscaling": {"enabled": True},
+        },
+        "status": {"conditions": [{"type": "Updating", "status": "True", "reason": "RollingUpdate"}]},
+    }
+    assert await Autoscaler(api=None, redis_url=no_redis).step(body, now=1000.0) is None  # type: ignore[arg-type]

@@ -286,6 +286,101 @@ async def test_scale_down_drains_the_leaving_engines_before_the_statefulset_shri
         await kube.close()
 
 
+class StatefulSetController:
+    """What Kubernetes' StatefulSet controller does with the engine StatefulSet, reduced to its
+    rolling-update rules (kmock runs no controllers): pods at or above the partition run the
+    current template, those below keep theirs, the highest ordinals go on a scale-down, and the
+    status reports the counts and both revisions. Every pod is ready at once."""
+
+    def __init__(self, api: kmock_lib.KubernetesEmulator) -> None:
+        self.api = api
+        self.pods: dict[int, str] = {}  # ordinal -> the image it runs (its revision)
+
+    def settle(self) -> None:
+        engines = self.api.objects[ENGINES, NS, "smol-engine"]
+        spec = engines["spec"]
+        replicas, partition = spec["replicas"], spec["updateStrategy"]["rollingUpdate"]["partition"]
+        update = spec["template"]["spec"]["containers"][0]["image"]
+        current = engines.get("status", {}).get("currentRevision") or update
+        self.pods = {i: update if i >= partition else self.pods.get(i, current) for i in range(replicas)}
+        updated = sum(image == update for image in self.pods.values())
+        engines.patch(
+            {
+                "status": {
+                    "replicas": replicas,
+                    "readyReplicas": replicas,
+                    "updatedReplicas": updated,
+                    "currentRevision": update if updated == replicas else current,
+                    "updateRevision": update,
+                }
+            }
+        )
+
+
+class RolloutDrainer:
+    """Records each drain with the StatefulSet as it stood then (replicas, partition) and the
+    cluster's Draining condition."""
+
+    def __init__(self, api: kmock_lib.KubernetesEmulator) -> None:
+        self.api = api
+        self.calls: list[tuple[list[str], int, int, str]] = []
+
+    async def drain(self, cluster: Cluster, pods: list[str]) -> list[Drained]:
+        spec = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]
+        draining = next(
+            c for c in self.api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Draining"
+        )
+        self.calls.append(
+            (pods, spec["replicas"], spec["updateStrategy"]["rollingUpdate"]["partition"], draining["reason"])
+        )
+        return [Drained(pod, migrated=2) for pod in pods]
+
+
+async def test_image_change_rolls_engines_with_a_surge_and_drains_each_before_it_is_replaced(
+    api: kmock_lib.KubernetesEmulator,
+) -> None:
+    kube = Kube(_info(api))
+    drainer = RolloutDrainer(api)
+    reconciler = Reconciler(kube, drainer)
+    controller = StatefulSetController(api)
+    try:
+        api.objects[CLUSTERS, NS, NAME] = _cluster(replicas=3)
+        await reconciler.reconcile(NS, NAME)
+        controller.settle()
+        old = controller.pods[0]
+        api.objects[CLUSTERS, NS, NAME].patch(
+            {"spec": {"engine": {"image": "shoal/engine:0.2.0"}}, "metadata": {"generation": 2}}
+        )
+        ready_on_old_or_new: list[int] = []
+        for _ in range(12):
+            await reconciler.reconcile(NS, NAME)
+            controller.settle()
+            ready_on_old_or_new.append(len(controller.pods))
+            status = api.objects[CLUSTERS, NS, NAME]["status"]
+            updating = next(c for c in status["conditions"] if c["type"] == "Updating")
+            if updating["status"] == "False" and len(controller.pods) == 3:
+                break
+        assert set(controller.pods.values()) == {"shoal/engine:0.2.0"} and old != "shoal/engine:0.2.0"
+        # Surge engine 3 first; then each old engine drained while the partition still kept it
+        # (so it was empty when the controller replaced it); last, the surge engine leaves.
+        assert drainer.calls == [
+            (["smol-engine-2"], 4, 3, "RollingUpdate"),
+            (["smol-engine-1"], 4, 2, "RollingUpdate"),
+            (["smol-engine-0"], 4, 1, "RollingUpdate"),
+            (["smol-engine-3"], 4, 0, "ScaleDown"),
+        ]
+        assert min(ready_on_old_or_new) >= 3  # capacity never below the spec's engine count
+        engines = _children(api)["StatefulSet/smol-engine"]["spec"]
+        assert (engines["replicas"], engines["updateStrategy"]["rollingUpdate"]["partition"]) == (3, 0)
+        await reconciler.reconcile(NS, NAME)  # the status takes in the last counts
+        before = len(_requests(api))
+        outcome = await reconciler.reconcile(NS, NAME)
+        assert outcome.writes == 0 and len(drainer.calls) == 4
+        assert _writes(api, before) == []
+    finally:
+        await kube.close()
+
+
 # ---- the kopf handlers, running --------------------------------------------------------------
 
 

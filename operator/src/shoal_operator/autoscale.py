@@ -11,7 +11,8 @@ is a drain (its requests migrate to the others), and the next one waits for the 
 the fleet never sheds more than it can absorb. Any change waits ``cooldownSeconds`` after the
 previous one, which is kept in an annotation on the cluster (it survives operator restarts).
 The change is a patch of ``spec.engine.replicas``; the reconciler does the rest (drain, then
-shrink). HPA or KEDA can drive the scale subresource instead, with ``autoscaling.enabled`` off.
+shrink). Nothing changes while the engines roll over to a new template. HPA or KEDA can drive
+the scale subresource instead, with ``autoscaling.enabled`` off.
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ async def read_load(client: aioredis.Redis, cluster_id: str, now: float) -> Flee
     )
 
 
+def _updating(body: Manifest) -> bool:
+    """The cluster's engines are rolling over to a new template (its ``Updating`` condition)."""
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Updating" and c.get("status") == "True" for c in conditions)
+
+
 class Autoscaler:
     """Sizes autoscaled clusters from their Redis load reports; patches ``spec.engine.replicas``."""
 
@@ -113,8 +120,8 @@ class Autoscaler:
             spec = InferenceClusterSpec.model_validate(body.get("spec") or {})
         except ValidationError:
             return None  # the reconciler reports it
-        if not spec.autoscaling.enabled:
-            return None
+        if not spec.autoscaling.enabled or _updating(body):
+            return None  # a rollout's surge engines would read as spare capacity
         cluster = Cluster(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""), spec=spec)
         url = await self._redis_url(cluster)
         client = self._clients.get(url)

@@ -9,7 +9,8 @@ an empty engine and it exits at once. (An engine the operator could not reach st
 its SIGTERM, as every engine does, within the same deadline.)
 
 If the scale-down is called off before the pods go, each drained engine returns to service by
-itself ``rejoin_after_s`` after its drain.
+itself ``rejoin_after_s`` after its drain. Rollouts (``rollout.py``) drain the same way each old
+engine the StatefulSet is about to replace.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from shoal_operator import rollout
 from shoal_operator import status as cluster_status
 from shoal_operator.children import Cluster, render
-from shoal_operator.drain import Drained, Drainer, leaving
+from shoal_operator.drain import Drained, Drainer
 from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
 
 Manifest = dict[str, Any]
@@ -136,43 +137,52 @@ class Reconciler:
             return outcome
         cluster = Cluster(name=name, namespace=namespace, uid=body["metadata"]["uid"], spec=spec)
         monitors = await self._api.has_resource("monitoring.coreos.com/v1", "servicemonitors")
-        known: dict[str, Manifest | None] = {}  # children already read this pass
-        if self._drainer is not None:
-            engines = await self._api.get("apps/v1", "StatefulSet", namespace, f"{name}-engine")
-            known[f"StatefulSet/{name}-engine"] = engines
-            previous = await self._drain_leaving(cluster, engines, previous, outcome)
+        rendered = render(cluster, service_monitors=monitors)
+        engines_ref = f"StatefulSet/{name}-engine"
+        engines = await self._api.get("apps/v1", "StatefulSet", namespace, f"{name}-engine")
+        known: dict[str, Manifest | None] = {engines_ref: engines}  # children already read this pass
+        desired_engines = next(child for child in rendered if _ref(child) == engines_ref)
+        template_changed = engines is not None and drifted(
+            desired_engines["spec"]["template"], (engines.get("spec") or {}).get("template")
+        )
+        engine_plan = rollout.plan(cluster, desired_engines, engines, template_changed)
+        if engine_plan.drain:
+            previous = await self._drain(cluster, engine_plan, previous, outcome)
         live: dict[str, Manifest] = {}
-        for desired in render(cluster, service_monitors=monitors):
-            ref = _ref(desired)
+        for child in rendered:
+            ref = _ref(child)
+            desired = rollout.apply(child, engine_plan) if ref == engines_ref else child
             live[ref] = await self._apply(
                 desired, outcome, known[ref] if ref in known else await self._get(desired)
             )
         wanted = cluster_status.compute(
             cluster,
             generation,
-            engines=live.get(f"StatefulSet/{name}-engine"),
+            engines=live.get(engines_ref),
             router=live.get(f"Deployment/{name}-router"),
             redis=live.get(f"StatefulSet/{name}-redis"),
             previous=previous,
+            engine_plan=engine_plan,
         )
         outcome.status_written |= await self._write_status(namespace, name, previous, wanted)
         return outcome
 
-    async def _drain_leaving(
-        self, cluster: Cluster, engines: Manifest | None, previous: Manifest, outcome: Outcome
+    async def _drain(
+        self, cluster: Cluster, engine_plan: rollout.EnginePlan, previous: Manifest, outcome: Outcome
     ) -> Manifest:
-        """Before the engine StatefulSet (``engines``, as it is now) shrinks, drain the engines it
-        will remove; returns the status as it now stands (``Draining=True`` while they drain)."""
-        assert self._drainer is not None
-        present = int(((engines or {}).get("spec") or {}).get("replicas") or 0)
-        pods = leaving(cluster, present, cluster.spec.engine.replicas)
-        if not pods:
+        """Before the engine StatefulSet removes or replaces the engines ``engine_plan`` names,
+        drain them; returns the status as it now stands (``Draining=True`` while they drain).
+
+        Without a drainer the engines still drain, on their own SIGTERM, within the same deadline.
+        """
+        if self._drainer is None:
             return previous
         # Say so first: a drain takes up to the spec's deadline.
-        draining = cluster_status.draining(previous, pods)
+        reason = "RollingUpdate" if engine_plan.updating else "ScaleDown"
+        draining = cluster_status.draining(previous, engine_plan.drain, reason)
         if await self._write_status(cluster.namespace, cluster.name, previous, draining):
             outcome.status_written = True
-        outcome.drained = await self._drainer.drain(cluster, pods)
+        outcome.drained = await self._drainer.drain(cluster, engine_plan.drain)
         return draining
 
     async def _get(self, manifest: Manifest) -> Manifest | None:

@@ -109,6 +109,15 @@ class EngineSpec(_Spec):
     image: str = Field(
         default="shoal/engine:0.1.0", pattern=IMAGE_PATTERN, max_length=256, description="Engine image."
     )
+    max_surge: int = Field(
+        default=1,
+        alias="maxSurge",
+        ge=0,
+        le=64,
+        description="Extra engines started on the new template when the engine pod template changes; "
+        "old engines are then drained and replaced this many at a time, so capacity never drops. "
+        "0 replaces engines one at a time in place (each drained first).",
+    )
     gpus: int = Field(default=0, ge=0, le=16, description="GPUs per engine; 0 runs vLLM's CPU build.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory per engine.")
     kv_cache_gib: int = Field(
@@ -240,7 +249,7 @@ class InferenceClusterSpec(_Spec):
 class Condition(_Spec):
     """A status condition (the Kubernetes convention)."""
 
-    type: Literal["Ready", "EnginesReady", "RouterReady", "RedisReady", "Draining"] = Field(
+    type: Literal["Ready", "EnginesReady", "RouterReady", "RedisReady", "Draining", "Updating"] = Field(
         description="What the condition is about."
     )
     status: Literal["True", "False", "Unknown"] = Field(description="Whether it holds.")

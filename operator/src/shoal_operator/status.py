@@ -7,6 +7,7 @@ Kubernetes convention (a condition's ``lastTransitionTime`` moves only when its 
 
 ``Ready`` holds when engines, router and Redis are ready. ``Draining`` holds while engine pods
 that the spec no longer wants are still there: they are migrating their requests away.
+``Updating`` holds while the engines roll over to a new pod template (``rollout.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from shoal_operator.children import Cluster, engine_selector
+from shoal_operator.rollout import EnginePlan
 
 Manifest = dict[str, Any]
-CONDITION_TYPES = ("Ready", "EnginesReady", "RouterReady", "RedisReady", "Draining")
+CONDITION_TYPES = ("Ready", "EnginesReady", "RouterReady", "RedisReady", "Draining", "Updating")
 
 
 def now_rfc3339() -> str:
@@ -45,8 +47,10 @@ def compute(
     redis: Manifest | None,
     previous: Manifest | None = None,
     now: str | None = None,
+    engine_plan: EnginePlan | None = None,
 ) -> Manifest:
-    """The status for ``cluster`` at ``generation`` given its live children (None: absent)."""
+    """The status for ``cluster`` at ``generation`` given its live children (None: absent) and
+    the engine StatefulSet's last plan (its replica count counts surge engines of a rollout)."""
     spec = cluster.spec
     wanted, ready, present = spec.engine.replicas, _ready_replicas(engines), _replicas(engines)
     engines_ok = ready >= wanted
@@ -83,15 +87,27 @@ def compute(
                 "RedisReady", None, "External", "an external Redis: its health is the engines' to report"
             )
         )
-    draining = present > wanted
+    kept = engine_plan.replicas if engine_plan is not None else wanted
+    draining = present > kept
     conditions.append(
         _condition(
             "Draining",
             draining,
             "ScaleDown" if draining else "Steady",
-            f"{present - wanted} engine(s) migrating their requests away"
+            f"{present - kept} engine(s) migrating their requests away"
             if draining
             else "no engine is leaving",
+        )
+    )
+    updating = engine_plan is not None and engine_plan.updating
+    conditions.append(
+        _condition(
+            "Updating",
+            updating,
+            "RollingUpdate" if updating else "UpToDate",
+            engine_plan.message
+            if engine_plan is not None and updating
+            else "engines run the current template",
         )
     )
     blocking = [c for c in conditions[:3] if c["status"] == "False"]
@@ -131,11 +147,14 @@ def invalid(
     }
 
 
-def draining(previous: Manifest, pods: list[str], now: str | None = None) -> Manifest:
+def draining(
+    previous: Manifest, pods: list[str], reason: str = "ScaleDown", now: str | None = None
+) -> Manifest:
     """``previous`` with ``Draining=True``: ``pods`` are moving their requests away before the
-    engine StatefulSet shrinks (the rest of the status is recomputed after the change)."""
+    engine StatefulSet removes them (``reason``: ScaleDown, or RollingUpdate when they are
+    replaced); the rest of the status is recomputed after the change."""
     condition = _condition(
-        "Draining", True, "ScaleDown", f"{', '.join(pods)} migrating their requests away before removal"
+        "Draining", True, reason, f"{', '.join(pods)} migrating their requests away before removal"
     )
     return _with_condition(previous, condition, int(previous.get("observedGeneration") or 0), now)
 
