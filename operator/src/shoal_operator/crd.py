@@ -1,7 +1,8 @@
 """The ``InferenceCluster`` CustomResourceDefinition, generated from ``spec.py``.
 
 ``python -m shoal_operator.crd`` (``make crd``) writes it to ``CRD_PATH``, where the chart
-installs it from; a test fails when the checked-in file and the models drift apart.
+installs it from (and the operator's RBAC rules next to the chart's templates); a test fails when
+a checked-in file and the code drift apart.
 
 pydantic's JSON schema becomes a Kubernetes *structural* schema: references are inlined, every
 object lists its properties, ``Optional`` fields are simply not required, and titles go (the
@@ -17,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from shoal_operator import rbac
 from shoal_operator.spec import (
     GROUP,
     KIND,
@@ -153,19 +155,24 @@ def render() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Write the InferenceCluster CRD")
-    parser.add_argument("--out", type=Path, default=CRD_PATH)
-    parser.add_argument("--check", action="store_true", help="fail if the file differs")
+    parser = argparse.ArgumentParser(
+        description="Write what the Helm chart takes from the operator's code: the InferenceCluster "
+        "CRD and the operator's RBAC rules"
+    )
+    parser.add_argument("--check", action="store_true", help="fail if a file differs")
     args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not args.out.exists() or args.out.read_text() != text:
-            print(f"{args.out} is out of date: run `make crd`", file=sys.stderr)
-            sys.exit(1)
-        return
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+    stale = False
+    for path, text in ((CRD_PATH, render()), (rbac.RULES_PATH, rbac.rules_file())):
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                print(f"{path} is out of date: run `make crd`", file=sys.stderr)
+                stale = True
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    if stale:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,61 @@
+"""Admission of InferenceCluster objects the way the API server does it, from the checked-in CRD:
+structural defaults, then the ``openAPIV3Schema``, then the ``x-kubernetes-validations`` rules
+with a CEL interpreter (no API server runs here)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonschema
+import yaml
+from shoal_operator import crd
+from shoal_operator.cel import failures, typed
+
+
+def crd_manifest() -> dict[str, Any]:
+    return yaml.safe_load(crd.CRD_PATH.read_text())
+
+
+def crd_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def defaulted(value: Any, schema: dict[str, Any]) -> Any:
+    """Structural defaulting: absent properties with a default get it, then their own."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        out = dict(value)
+        for name, child in schema.get("properties", {}).items():
+            if name not in out and "default" in child:
+                out[name] = copy.deepcopy(child["default"])
+            if name in out:
+                out[name] = defaulted(out[name], child)
+        return out
+    if schema.get("type") == "array" and isinstance(value, list):
+        return [defaulted(v, schema.get("items", {})) for v in value]
+    return value
+
+
+def rule_failures(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Every broken ``x-kubernetes-validations`` rule, anywhere in ``value``."""
+    broken = []
+    if schema.get("type") == "object" and isinstance(value, dict):
+        rules = schema.get("x-kubernetes-validations")
+        if rules:
+            broken += [f"{path}: {m}" for m in failures(rules, typed(value, schema))]
+        for name, child in schema.get("properties", {}).items():
+            if name in value:
+                broken += rule_failures(value[name], child, f"{path}.{name}")
+    return broken
+
+
+def admit(obj: dict[str, Any]) -> dict[str, Any]:
+    """What the API server would store, or ValueError with its complaints."""
+    schema = crd_schema()
+    stored = defaulted(obj, schema)
+    errors = [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(stored)]
+    errors += rule_failures(stored, schema)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return stored
