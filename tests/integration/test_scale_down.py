@@ -1,6 +1,8 @@
-"""Scale-down by migration with real engines (a local fleet; no Kubernetes): the operator's
-drainer empties the engine a StatefulSet going from 2 to 1 replicas would remove, while streams
-run, and every stream completes exactly once.
+"""Scale-down by migration with real engines (a local fleet; no Kubernetes): the engine a
+StatefulSet going from 2 to 1 replicas would remove is emptied while streams run, and every
+stream completes exactly once. Both ways a pod is drained are run: the operator's drainer (gRPC
+``Drain``, before it lowers ``replicas``) and the pod's preStop hook (HTTP ``GET /drain`` on the
+engine, before its SIGTERM).
 
 The drained engine leaves the rotation (DRAINING in Redis) and moves its requests to the other
 engine. No shutdown follows here (nothing deletes a pod), so it returns to service by itself
@@ -16,7 +18,7 @@ import time
 import httpx
 import pytest
 from shoal_operator.children import Cluster
-from shoal_operator.drain import GrpcDrainer, leaving
+from shoal_operator.drain import Drained, GrpcDrainer, leaving
 from shoal_operator.spec import InferenceClusterSpec
 
 from tests.integration.support import GREEDY_IDS, RunningFleet, async_client, greedy_ids, wait_until
@@ -33,7 +35,20 @@ def _states(fleet: RunningFleet) -> dict[str, str]:
     return engines
 
 
-async def test_scale_down_drains_the_leaving_engine_while_streams_run(smol_fleet: RunningFleet) -> None:
+async def _prestop_drain(http_address: str, pod: str) -> Drained:
+    """What the kubelet does with the engine container's preStop hook (plus a rejoin delay, as
+    no SIGTERM follows here)."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        reply = await http.get(http_address + "/drain", params={"rejoin_after_s": REJOIN_AFTER_S})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return Drained(pod, migrated=body["migrated"], remaining=body["remaining"])
+
+
+@pytest.mark.parametrize("asked_by", ["operator", "prestop-hook"])
+async def test_scale_down_drains_the_leaving_engine_while_streams_run(
+    smol_fleet: RunningFleet, asked_by: str
+) -> None:
     engines = [smol_fleet.cfg.engine_id(i) for i in range(smol_fleet.cfg.engines)]
     wait_until(lambda: all(_states(smol_fleet).get(e) == "ACTIVE" for e in engines), 15.0, "engines ACTIVE")
     cluster = Cluster(
@@ -79,7 +94,10 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(smol_fleet
     tasks = [asyncio.create_task(streamed(i)) for i in range(STREAMS)]
     await asyncio.wait_for(started.wait(), 120)
     assert victim in on.values(), on  # the router spreads six streams over both engines
-    (drained,) = await drainer.drain(cluster, [pod])
+    if asked_by == "operator":
+        (drained,) = await drainer.drain(cluster, [pod])
+    else:
+        drained = await _prestop_drain(record.http_address, pod)
     drained_at = time.monotonic()
     # Out of the rotation and empty: nothing new reaches it, nothing runs on it.
     assert drained.error == "" and drained.remaining == 0, drained

@@ -40,6 +40,10 @@ def one(rendered: list[dict[str, Any]], kind: str, component: str) -> dict[str, 
     return found[0]
 
 
+def args_port(args: list[str], flag: str) -> int:
+    return int(args[args.index(flag) + 1])
+
+
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
@@ -91,6 +95,9 @@ def test_engines_follow_the_spec() -> None:
     assert args[args.index("--drain-timeout") + 1] == str(cluster.spec.drain.deadline_seconds)
     assert args[args.index("--cluster") + 1] == "serving.smol"
     assert "--migration" in args
+    # The preStop hook drains by migration before SIGTERM, on the engine's own HTTP port.
+    hook = container["lifecycle"]["preStop"]["httpGet"]
+    assert (hook["path"], hook["port"]) == ("/drain", args_port(args, "--http-port"))
     env = env_of(container)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert env["REDIS_URL"] == "redis://smol-redis:6379/0"

@@ -198,6 +198,9 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
         "startupProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 240},
         "readinessProbe": _http_probe(ENGINE_HTTP_PORT),
         "livenessProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 6},
+        # Before SIGTERM: leave the rotation and migrate every request away, answering once
+        # empty or at the drain deadline (the grace period covers it).
+        "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": ENGINE_HTTP_PORT}}},
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
     }
     return {

@@ -5,8 +5,9 @@ operator lowers ``replicas``, it asks each of those engines to drain for removal
 ``EngineControl.Drain`` with ``leave_rotation``): the engine marks itself DRAINING in Redis, so
 routers stop sending it requests, and migrates every running request to the other engines,
 within the spec's drain deadline. Only then does the StatefulSet shrink; the pod's SIGTERM finds
-an empty engine and it exits at once. (An engine the operator could not reach still drains on
-its SIGTERM, as every engine does, within the same deadline.)
+an empty engine and it exits at once. (An engine the operator could not reach still drains: its
+pod's preStop hook, ``GET /drain`` on the engine, does the same before SIGTERM, within the same
+deadline, and SIGTERM itself drains whatever is left.)
 
 If the scale-down is called off before the pods go, each drained engine returns to service by
 itself ``rejoin_after_s`` after its drain. Rollouts (``rollout.py``) drain the same way each old

@@ -17,12 +17,13 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from typing import Annotated
 
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
 import zmq
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -30,7 +31,7 @@ from shoal_engine.backend import BackendDeadError, EngineBackend
 from shoal_engine.config import EngineConfig
 from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
 from shoal_engine.metrics import EngineMetrics
-from shoal_engine.migration import EngineControlServicer, MigrationManager
+from shoal_engine.migration import EngineControlServicer, MigrationError, MigrationManager
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
@@ -107,8 +108,33 @@ class _HttpServer(uvicorn.Server):
         yield
 
 
-def build_http_app(service: EngineService, backend: EngineBackend, metrics: EngineMetrics) -> FastAPI:
+def build_http_app(
+    service: EngineService,
+    backend: EngineBackend,
+    metrics: EngineMetrics,
+    migrations: MigrationManager | None = None,
+    drain_deadline_s: float = 0.0,
+) -> FastAPI:
     app = FastAPI(title="Shoal engine", docs_url=None, redoc_url=None)
+
+    if migrations is not None:
+
+        @app.get("/drain")
+        async def drain_for_removal(
+            rejoin_after_s: Annotated[float, Query(ge=0, le=3600)] = 0.0,
+        ) -> Response:
+            """The pod's preStop hook: leave the rotation and move every running request to
+            other engines, answering once the engine is empty or the drain deadline passed.
+            SIGTERM follows and finds nothing left to move. ``rejoin_after_s`` > 0 serves again
+            after that long if no shutdown came."""
+            try:
+                result = await migrations.drain_for_removal(drain_deadline_s, rejoin_after_s)
+            except MigrationError as exc:
+                return JSONResponse(
+                    {"error": {"message": str(exc), "type": "conflict", "code": "cannot_drain"}},
+                    status_code=409,
+                )
+            return JSONResponse({"migrated": result.migrated, "remaining": result.remaining})
 
     @app.get("/health")
     async def health() -> Response:
@@ -149,17 +175,6 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     receiver = RequestReceiver(ctx, zmq_address, loop, service.on_request)
     sender.start()
     receiver.start()
-
-    http = _HttpServer(
-        uvicorn.Config(
-            build_http_app(service, backend, metrics),
-            host=config.host,
-            port=config.http_port,
-            log_level="warning",
-            lifespan="off",
-        )
-    )
-    http_task = asyncio.create_task(http.serve(), name="http")
 
     def make_report(seq: int) -> LoadReport:
         load = backend.load()
@@ -212,6 +227,16 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         pb_grpc.add_EngineControlServicer_to_server(EngineControlServicer(migrations), control)
         control.add_insecure_port(config.control_address)
         await control.start()
+    http = _HttpServer(
+        uvicorn.Config(
+            build_http_app(service, backend, metrics, migrations, config.drain_timeout_s),
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
+    http_task = asyncio.create_task(http.serve(), name="http")
     registration = EngineRegistration(
         redis_client,
         keys,
