@@ -39,7 +39,7 @@ test-integration: setup models ## Integration tests: real Redis, ZeroMQ, tokeniz
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 .PHONY: setup
-setup: $(SETUP_STAMP) redis ## Create the virtualenv and install pinned packages
+setup: $(SETUP_STAMP) system-packages ## Create the virtualenv and install pinned packages (and Redis, Prometheus, Chromium)
 
 $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	@echo "==> [setup 1/4] virtualenv in $(VENV)"
@@ -56,12 +56,18 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
 	touch $@
 
-.PHONY: redis
-redis: ## Install redis-server from Debian when it is missing
-	@command -v redis-server >/dev/null || { \
-		echo "==> installing redis-server (Debian package)"; \
+.PHONY: system-packages
+system-packages: ## Install Debian's redis-server, prometheus and chromium when missing
+	@missing=""; \
+	for package in redis-server prometheus chromium; do \
+		command -v $$package >/dev/null || missing="$$missing $$package"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "==> installing Debian packages:$$missing"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+			--no-install-recommends $$missing; \
+	fi
 
 .PHONY: models
 models: $(MODEL_STAMPS) ## Build SmolLM2-135M-Instruct and the tiny test model into .cache/models
@@ -71,7 +77,7 @@ $(MODEL_STAMPS) &: services/engine/src/shoal_engine/models.py | $(SETUP_STAMP)
 	touch $(MODEL_STAMPS)
 
 .PHONY: crd
-crd: setup ## Regenerate the chart's CRD (from operator/src/shoal_operator/spec.py) and RBAC rules (from rbac.py)
+crd: setup ## Regenerate the chart's CRD, RBAC rules and dashboards (from operator/src/shoal_operator/)
 	$(PY) -m shoal_operator.crd
 
 .PHONY: protos

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -86,6 +88,56 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
         os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def prometheus_server(folder: Path, jobs: dict[str, list[str]], interval_s: int = 1) -> Iterator[str]:
+    """A real Prometheus (Debian's package) scraping ``jobs`` (name -> host:port targets) every
+    ``interval_s``; yields its base URL and stops it on exit."""
+    binary = shutil.which("prometheus")
+    assert binary is not None, "prometheus is not installed; `make setup` installs it"
+    scrape = [{"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()]
+    config = {
+        "global": {"scrape_interval": f"{interval_s}s", "scrape_timeout": f"{interval_s}s"},
+        "scrape_configs": scrape,
+    }
+    (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    port = free_port()
+    log = (folder / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, f"prometheus exited; see {folder / 'prometheus.log'}"
+            try:
+                return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 30, "Prometheus to be ready", every_s=0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        log.close()
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.05) -> None:
@@ -173,5 +225,8 @@ class RunningFleet:
 def dispatched(fleet: RunningFleet) -> dict[str, float]:
     """Requests the router sent to each engine, from its Prometheus counter."""
     text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
-    pattern = r'shoal_router_dispatched_total\{engine="([^"]+)",model="[^"]+"\} ([0-9.e+]+)'
-    return {engine: float(count) for engine, count in re.findall(pattern, text)}
+    pattern = r'shoal_router_dispatched_total\{engine="([^"]+)",model="[^"]+",policy="[^"]+"\} ([0-9.e+]+)'
+    counts: dict[str, float] = {}
+    for engine, count in re.findall(pattern, text):
+        counts[engine] = counts.get(engine, 0.0) + float(count)
+    return counts

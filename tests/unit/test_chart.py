@@ -68,9 +68,13 @@ def test_helm_lint_passes_strictly(values: dict[str, Any]) -> None:
     [
         {},
         {"operator": {"watchNamespaces": ["team-a", "team-b"]}, "sampleCluster": {"enabled": True}},
-        {"operator": {"allNamespaces": True}, "imagePullSecrets": [{"name": "registry"}]},
+        {
+            "operator": {"allNamespaces": True},
+            "imagePullSecrets": [{"name": "registry"}],
+            "monitoring": {"podMonitor": {"enabled": True}, "serviceMonitors": False},
+        },
     ],
-    ids=["defaults", "two-namespaces-with-sample", "all-namespaces"],
+    ids=["defaults", "two-namespaces-with-sample", "all-namespaces-with-pod-monitor"],
 )
 def test_every_rendered_object_is_valid_for_kubernetes(values: dict[str, Any]) -> None:
     objects = render(values)
@@ -78,6 +82,8 @@ def test_every_rendered_object_is_valid_for_kubernetes(values: dict[str, Any]) -
     for obj in objects:
         if obj["kind"] == "InferenceCluster":
             admit(obj)  # the CRD's own schema and rules, as the API server would apply them
+        elif obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            assert obj["kind"] == "PodMonitor"  # the Prometheus operator's kind: checked below
         else:
             kubernetes_validate.validate(obj, version, strict=True)
     names = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects]
@@ -162,6 +168,51 @@ def test_bad_values_are_refused_naming_the_field(values: dict[str, Any], field: 
     with Chart.load(CHART) as chart, pytest.raises(HelmError) as refused:
         chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
     assert field in str(refused.value)
+
+
+def test_dashboards_are_config_maps_for_grafanas_sidecar() -> None:
+    maps = [m for m in by_kind(render(), "ConfigMap") if "grafana_dashboard" in m["metadata"]["labels"]]
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    assert len(maps) == len(files) == 4
+    for config_map, path in zip(sorted(maps, key=lambda m: m["metadata"]["name"]), files, strict=True):
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        ((name, text),) = config_map["data"].items()
+        assert name == path.name and json.loads(text) == json.loads(path.read_text())
+    folder = {
+        "dashboards": {"label": "my_dashboards", "namespace": "grafana", "annotations": {"folder": "LLM"}}
+    }
+    (moved, *_) = [
+        m for m in by_kind(render(folder), "ConfigMap") if "my_dashboards" in m["metadata"]["labels"]
+    ]
+    assert moved["metadata"]["namespace"] == "grafana" and moved["metadata"]["annotations"] == {
+        "folder": "LLM"
+    }
+    assert by_kind(render({"dashboards": {"enabled": False}}), "ConfigMap") == []
+
+
+def test_pod_monitor_and_service_monitor_toggles() -> None:
+    assert by_kind(render(), "PodMonitor") == []
+    (deployment,) = by_kind(render(), "Deployment")
+    assert "--no-service-monitors" not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    values = {
+        "operator": {"watchNamespaces": ["team-a"]},
+        "monitoring": {
+            "serviceMonitors": False,
+            "podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+        },
+    }
+    objects = render(values)
+    (monitor,) = by_kind(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "shoal-operator"}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    (deployment,) = by_kind(objects, "Deployment")
+    assert "--no-service-monitors" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    everywhere = {"operator": {"allNamespaces": True}, "monitoring": {"podMonitor": {"enabled": True}}}
+    (monitor,) = by_kind(render(everywhere), "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
 
 
 def test_every_value_is_documented_in_the_schema() -> None:

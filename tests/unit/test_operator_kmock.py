@@ -234,9 +234,11 @@ async def test_service_monitor_only_when_its_crd_exists(
     _declare(api, service_monitors=True)
     kube = Kube(_info(api))  # discovery is remembered per client: a new operator process
     try:
+        turned_off = await Reconciler(kube, service_monitors=False).reconcile(NS, NAME)
         outcome = await Reconciler(kube).reconcile(NS, NAME)
     finally:
         await kube.close()
+    assert turned_off.created == [] and turned_off.writes == 0  # --no-service-monitors
     assert [c for c in outcome.created if c.startswith("ServiceMonitor/")] != []
 
 

@@ -1,8 +1,8 @@
 """The ``InferenceCluster`` CustomResourceDefinition, generated from ``spec.py``.
 
 ``python -m shoal_operator.crd`` (``make crd``) writes it to ``CRD_PATH``, where the chart
-installs it from (and the operator's RBAC rules next to the chart's templates); a test fails when
-a checked-in file and the code drift apart.
+installs it from (and the operator's RBAC rules and the Grafana dashboards next to the chart's
+templates); a test fails when a checked-in file and the code drift apart.
 
 pydantic's JSON schema becomes a Kubernetes *structural* schema: references are inlined, every
 object lists its properties, ``Optional`` fields are simply not required, and titles go (the
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from shoal_operator import rbac
+from shoal_operator import dashboards, rbac
 from shoal_operator.spec import (
     GROUP,
     KIND,
@@ -157,12 +157,13 @@ def render() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Write what the Helm chart takes from the operator's code: the InferenceCluster "
-        "CRD and the operator's RBAC rules"
+        "CRD, the operator's RBAC rules and the Grafana dashboards"
     )
     parser.add_argument("--check", action="store_true", help="fail if a file differs")
     args = parser.parse_args()
     stale = False
-    for path, text in ((CRD_PATH, render()), (rbac.RULES_PATH, rbac.rules_file())):
+    generated = {CRD_PATH: render(), rbac.RULES_PATH: rbac.rules_file(), **dashboards.files()}
+    for path, text in generated.items():
         if args.check:
             if not path.exists() or path.read_text() != text:
                 print(f"{path} is out of date: run `make crd`", file=sys.stderr)

@@ -65,6 +65,7 @@ def register(
     drainer: Drainer | None = None,
     autoscale_s: float = 15.0,
     redis_url: Callable[[Cluster], Awaitable[str]] | None = None,
+    service_monitors: bool = True,
 ) -> None:
     """Register the operator's handlers in ``registry``.
 
@@ -74,6 +75,7 @@ def register(
     ``drainer`` empties the engines a scale-down removes (default: their gRPC drain).
     ``autoscale_s`` is how often autoscaled clusters are sized from their load in Redis, found at
     ``redis_url(cluster)`` (default: the managed Redis Service, or the spec's URL or Secret).
+    ``service_monitors=False``: no ServiceMonitor per cluster, even where its CRD exists.
     """
     state = _State()
 
@@ -93,7 +95,7 @@ def register(
         )
         if info is not None:
             state.kube = Kube(info)
-            state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer())
+            state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer(), service_monitors)
             state.autoscaler = Autoscaler(state.kube, redis_url)
         return info
 

@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> None:
         "--standalone", action="store_true", help="skip kopf's peering (only one operator replica runs)"
     )
     parser.add_argument(
+        "--no-service-monitors",
+        action="store_true",
+        help="make no ServiceMonitor per cluster, even where the Prometheus operator's CRD exists",
+    )
+    parser.add_argument(
         "--print-rbac",
         metavar="OPERATOR_NAMESPACE",
         help="print the ServiceAccount (in this namespace) and the least permissions for the watched "
@@ -58,7 +63,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--resync-seconds must be positive")
     # Watching named namespaces needs no cluster-wide reads (least privilege: namespaced Roles);
     # watching all of them lets kopf follow namespaces and CRDs as they come and go.
-    register(kopf.get_default_registry(), resync_s=args.resync_seconds, scan_cluster=args.all_namespaces)
+    register(
+        kopf.get_default_registry(),
+        resync_s=args.resync_seconds,
+        scan_cluster=args.all_namespaces,
+        service_monitors=not args.no_service_monitors,
+    )
     kopf.run(
         clusterwide=args.all_namespaces,
         namespaces=[] if args.all_namespaces else (args.namespace or _default_namespaces()),

@@ -108,11 +108,13 @@ def _ref(manifest: Manifest) -> str:
 
 
 class Reconciler:
-    """Reconciles clusters through ``api``; one reconcile per cluster at a time."""
+    """Reconciles clusters through ``api``; one reconcile per cluster at a time. A ServiceMonitor
+    per cluster is made where its CRD exists, unless ``service_monitors`` is off."""
 
-    def __init__(self, api: Api, drainer: Drainer | None = None) -> None:
+    def __init__(self, api: Api, drainer: Drainer | None = None, service_monitors: bool = True) -> None:
         self._api = api
         self._drainer = drainer
+        self._service_monitors = service_monitors
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def reconcile(self, namespace: str, name: str) -> Outcome:
@@ -136,7 +138,9 @@ class Reconciler:
             outcome.status_written = await self._write_status(namespace, name, previous, wanted)
             return outcome
         cluster = Cluster(name=name, namespace=namespace, uid=body["metadata"]["uid"], spec=spec)
-        monitors = await self._api.has_resource("monitoring.coreos.com/v1", "servicemonitors")
+        monitors = self._service_monitors and await self._api.has_resource(
+            "monitoring.coreos.com/v1", "servicemonitors"
+        )
         rendered = render(cluster, service_monitors=monitors)
         engines_ref = f"StatefulSet/{name}-engine"
         engines = await self._api.get("apps/v1", "StatefulSet", namespace, f"{name}-engine")

@@ -25,7 +25,7 @@ import uvicorn
 import zmq
 from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from shoal_engine.backend import BackendDeadError, EngineBackend
 from shoal_engine.config import EngineConfig
@@ -148,7 +148,10 @@ def build_http_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Shoal's series, then vLLM's own (its stat logger registers them, ``vllm:*``, in
+        # prometheus_client's default registry, with this process's CPU and memory).
+        body = generate_latest(metrics.registry) + generate_latest(REGISTRY)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

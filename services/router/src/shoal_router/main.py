@@ -68,7 +68,11 @@ def build_app(config: RouterConfig) -> FastAPI:
             view.connected = up
 
     engines = EngineClient(
-        ctx, f"tcp://{config.host}:{config.zmq_port}", config.engine_send_hwm, on_link=link_changed
+        ctx,
+        f"tcp://{config.host}:{config.zmq_port}",
+        config.engine_send_hwm,
+        on_link=link_changed,
+        metrics=metrics,
     )
     redis_client = state_client(config.redis_url, config.redis_timeout_s)
 

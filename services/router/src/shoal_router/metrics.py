@@ -1,16 +1,30 @@
-"""Prometheus metrics of one router, in a registry of its own (served at ``/metrics``)."""
+"""Prometheus metrics of one router, in a registry of its own (served at ``/metrics``).
+
+Latency is measured where the client would see it (TTFT, inter-token gaps, TPOT, end to end),
+plus what the router itself adds: time from arrival to dispatch, the time to handle each output
+batch from the engines, and the process's CPU time (``process_cpu_seconds_total``), which over
+requests or output tokens is the router's cost per request and per token.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from shoal_router.core.dispatch import EngineView
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+_BATCH_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+_STALL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         self.requests = Counter(
             "shoal_router_requests",
             "HTTP requests answered, by endpoint and status code.",
@@ -19,7 +33,10 @@ class RouterMetrics:
         )
         self.inflight = Gauge("shoal_router_requests_inflight", "Generation requests in flight.", registry=r)
         self.dispatched = Counter(
-            "shoal_router_dispatched", "Requests sent to each engine.", ["engine", "model"], registry=r
+            "shoal_router_dispatched",
+            "Requests sent to each engine, by the dispatch policy that chose it.",
+            ["engine", "model", "policy"],
+            registry=r,
         )
         self.dispatch_retries = Counter(
             "shoal_router_dispatch_retries", "Requests sent again after an engine refused them.", registry=r
@@ -57,3 +74,83 @@ class RouterMetrics:
         self.output_tokens = Counter(
             "shoal_router_output_tokens", "Output tokens delivered.", ["model"], registry=r
         )
+        self.tpot = Histogram(
+            "shoal_router_time_per_output_token_seconds",
+            "Per request: from its first output token to its last, over the tokens after the first.",
+            ["model"],
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "shoal_router_queue_seconds",
+            "From request arrival to its dispatch to an engine (tokenizing and picking included).",
+            ["model"],
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.batch = Histogram(
+            "shoal_router_output_batch_seconds",
+            "Router time to take in one output batch from an engine (decode, order, hand over).",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_pieces = Counter(
+            "shoal_router_output_pieces", "Request pieces taken in from engine output batches.", registry=r
+        )
+        self.migrations = Counter(
+            "shoal_router_migrations",
+            "Streams whose tokens started coming from another engine mid-request (a live migration).",
+            ["model"],
+            registry=r,
+        )
+        self.migration_stall = Histogram(
+            "shoal_router_migration_stall_seconds",
+            "Gap a client saw across a migration: first token from the new engine minus the last "
+            "from the old one.",
+            ["model"],
+            buckets=_STALL_BUCKETS,
+            registry=r,
+        )
+        self.engine_requests = Gauge(
+            "shoal_router_engine_requests",
+            "Each engine's requests as its last load report says, by state (running, waiting).",
+            ["engine", "model", "state"],
+            registry=r,
+        )
+        self.engine_kv_usage = Gauge(
+            "shoal_router_engine_kv_usage",
+            "Each engine's KV cache use (0 to 1) as its last load report says.",
+            ["engine", "model"],
+            registry=r,
+        )
+        self.engine_step = Gauge(
+            "shoal_router_engine_step_seconds",
+            "Each engine's recent model step time as its last load report says.",
+            ["engine", "model"],
+            registry=r,
+        )
+        self.engine_inflight = Gauge(
+            "shoal_router_engine_inflight",
+            "This router's requests running on each engine.",
+            ["engine", "model"],
+            registry=r,
+        )
+
+    def set_fleet(self, views: Iterable[EngineView]) -> None:
+        """Set the per-engine gauges from the router's view of the fleet (at scrape time)."""
+        per_engine = (self.engine_requests, self.engine_kv_usage, self.engine_step, self.engine_inflight)
+        for gauge in (self.engines, *per_engine):
+            gauge.clear()  # engines that left take their series with them
+        for view in views:
+            record, report = view.record, view.report
+            self.engines.labels(record.model, str(record.state)).inc()
+            self.engine_inflight.labels(record.engine_id, record.model).set(view.inflight)
+            if report is None:
+                continue
+            requests = self.engine_requests
+            requests.labels(record.engine_id, record.model, "running").set(report.num_running)
+            requests.labels(record.engine_id, record.model, "waiting").set(report.num_waiting)
+            blocks = report.kv_blocks_used + report.kv_blocks_free
+            usage = report.kv_blocks_used / blocks if blocks else 0.0
+            self.engine_kv_usage.labels(record.engine_id, record.model).set(usage)
+            self.engine_step.labels(record.engine_id, record.model).set(report.step_time_ms / 1000)

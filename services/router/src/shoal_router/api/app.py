@@ -124,9 +124,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        metrics.engines.clear()
-        for view in generation.fleet.engines.values():
-            metrics.engines.labels(view.record.model, str(view.record.state)).inc()
+        metrics.set_fleet(generation.fleet.engines.values())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from shoal_protos.messages import AddRequest, FinishReason, SamplingOptions
-from shoal_router.core.dispatch import EngineView, pick_least_loaded
+from shoal_router.core.dispatch import LEAST_LOAD, EngineView, pick_least_loaded
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
 from shoal_router.errors import (
     ContextLengthError,
@@ -129,6 +129,7 @@ class GenerationHandle:
         self._closed = False
         self._first_token_at: float | None = None
         self._last_token_at = 0.0
+        self._last_engine = ""  # the engine whose tokens came last
         self.prompt_tokens = len(add.prompt_token_ids)
         self.finish_reason: str | None = None
 
@@ -152,7 +153,8 @@ class GenerationHandle:
             gen.inflight += 1
             gen.metrics.inflight.set(gen.inflight)
             gen.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
-        gen.metrics.dispatched.labels(view.engine_id, self.model).inc()
+            gen.metrics.queue.labels(self.model).observe(time.monotonic() - self.arrived)
+        gen.metrics.dispatched.labels(view.engine_id, self.model, LEAST_LOAD).inc()
 
     def _leave_engine(self) -> None:
         if self._view is not None:
@@ -207,12 +209,23 @@ class GenerationHandle:
             metrics.ttft.labels(self.model).observe(now - self.arrived)
         else:
             metrics.token_gap.labels(self.model).observe((now - self._last_token_at) / len(delta.token_ids))
+            if delta.engine_id and self._last_engine and delta.engine_id != self._last_engine:
+                # The request moved mid-stream: what the client waited across the switch.
+                metrics.migrations.labels(self.model).inc()
+                metrics.migration_stall.labels(self.model).observe(now - self._last_token_at)
         self._last_token_at = now
+        if delta.engine_id:
+            self._last_engine = delta.engine_id
         metrics.output_tokens.labels(self.model).inc(len(delta.token_ids))
 
     def _finish(self, delta: RequestDelta) -> None:
         self.finish_reason = str(delta.finish_reason)
-        self._gen.metrics.e2e.labels(self.model, self.finish_reason).observe(time.monotonic() - self.arrived)
+        now = time.monotonic()
+        metrics = self._gen.metrics
+        metrics.e2e.labels(self.model, self.finish_reason).observe(now - self.arrived)
+        if self._first_token_at is not None and self.collector.delivered > 1:
+            tpot = (self._last_token_at - self._first_token_at) / (self.collector.delivered - 1)
+            metrics.tpot.labels(self.model).observe(tpot)
 
     def close(self) -> None:
         """Release the request; abort it on its engine if it has not finished."""

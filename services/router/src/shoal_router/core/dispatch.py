@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 from shoal_protos.records import EngineRecord, EngineState, LoadReport
 
+LEAST_LOAD = "least_load"
+"""The dispatch policy's name in metrics."""
+
 
 @dataclass(slots=True)
 class EngineView:

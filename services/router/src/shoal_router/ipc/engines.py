@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from shoal_protos.messages import (
 )
 from shoal_router.core.outputs import RequestOutputCollector
 from shoal_router.errors import ServiceUnavailableError
+from shoal_router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +62,15 @@ class _Tracked:
 
 class EngineClient:
     def __init__(
-        self, ctx: zmq.asyncio.Context, reply_to: str, send_hwm: int, on_link: Callable[[str, bool], None]
+        self,
+        ctx: zmq.asyncio.Context,
+        reply_to: str,
+        send_hwm: int,
+        on_link: Callable[[str, bool], None],
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.reply_to = reply_to
+        self._metrics = metrics
         self._ctx = ctx
         self._on_link = on_link
         self._monitors: dict[str, asyncio.Task[None]] = {}
@@ -176,8 +184,11 @@ class EngineClient:
         decoder = msgspec.msgpack.Decoder(OutputBatch)
         outputs_tag = FrameType.OUTPUTS.value
         requests = self._requests
+        batch_seconds = self._metrics.batch if self._metrics is not None else None
+        pieces_taken = self._metrics.batch_pieces if self._metrics is not None else None
         while True:
             frames = await self._pull.recv_multipart(copy=False)
+            started = time.perf_counter()
             if len(frames) != 2 or frames[0].bytes != outputs_tag:
                 logger.warning("dropping unexpected message from an engine")
                 continue
@@ -196,6 +207,9 @@ class EngineClient:
                     tracked.collector.put(batch.engine_id, piece)
                 if i and i % _CHUNK == 0:
                     await asyncio.sleep(0)
+            if batch_seconds is not None and pieces_taken is not None:
+                batch_seconds.observe(time.perf_counter() - started)
+                pieces_taken.inc(len(batch.pieces))
 
     async def aclose(self) -> None:
         for task in self._monitors.values():
