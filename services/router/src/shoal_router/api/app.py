@@ -16,10 +16,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shoal_router.api.fleet_page import PAGE, fleet_state
 from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
@@ -121,6 +122,15 @@ def create_app(
         if not ready:
             body["status"] = "unavailable"
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/fleet", include_in_schema=False)
+    async def fleet_page() -> HTMLResponse:
+        return HTMLResponse(PAGE)
+
+    @app.get("/fleet/state")
+    async def fleet_page_state() -> JSONResponse:
+        """Engines, this router's requests in flight and recent migrations (the fleet page's data)."""
+        return JSONResponse(await fleet_state(generation.router_id, generation.fleet, generation.engines))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

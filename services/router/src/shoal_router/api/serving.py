@@ -51,6 +51,10 @@ class Generation:
         self.max_attempts = max_attempts
         self.inflight = 0
 
+    @property
+    def router_id(self) -> str:
+        return self._router_id
+
     def served_models(self) -> list[str]:
         return sorted(set(self._configured) | self.fleet.models())
 
@@ -213,10 +217,19 @@ class GenerationHandle:
                 # The request moved mid-stream: what the client waited across the switch.
                 metrics.migrations.labels(self.model).inc()
                 metrics.migration_stall.labels(self.model).observe(now - self._last_token_at)
+                self._moved_to(delta.engine_id)
         self._last_token_at = now
         if delta.engine_id:
             self._last_engine = delta.engine_id
         metrics.output_tokens.labels(self.model).inc(len(delta.token_ids))
+
+    def _moved_to(self, engine_id: str) -> None:
+        """Count the request on its new engine (dispatch weighs each engine by what runs there)."""
+        view = self._gen.fleet.engines.get(engine_id)
+        if view is not None and view is not self._view:
+            self._leave_engine()
+            view.inflight += 1
+            self._view = view
 
     def _finish(self, delta: RequestDelta) -> None:
         self.finish_reason = str(delta.finish_reason)

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -49,6 +49,17 @@ logger = logging.getLogger(__name__)
 _CHUNK = 256
 
 
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A request as the fleet page shows it."""
+
+    request_id: str
+    engine_id: str
+    tokens: int
+    started: float
+    moves: int
+
+
 @dataclass(slots=True)
 class _Tracked:
     collector: RequestOutputCollector
@@ -58,6 +69,7 @@ class _Tracked:
     # The owner before the last move: its pieces of the previous generation may still be in
     # flight (they hold tokens produced before the move).
     previous: str = ""
+    started: float = field(default_factory=time.time)
 
 
 class EngineClient:
@@ -88,6 +100,18 @@ class EngineClient:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def in_flight(self) -> list[InFlight]:
+        """Every request this router is serving now, oldest first."""
+        return sorted(
+            (
+                InFlight(
+                    rid, tracked.engine_id, tracked.collector.delivered, tracked.started, tracked.generation
+                )
+                for rid, tracked in self._requests.items()
+            ),
+            key=lambda request: request.started,
+        )
 
     def connect(self, engine_id: str, address: str) -> None:
         if engine_id in self._sockets:

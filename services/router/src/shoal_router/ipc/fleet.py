@@ -23,8 +23,10 @@ from shoal_protos.records import (
     EngineState,
     Keys,
     LoadReport,
+    MigrationRecord,
     engine_record_decoder,
     load_report_decoder,
+    migration_record_decoder,
 )
 from shoal_router.core.dispatch import EngineView
 
@@ -110,6 +112,23 @@ class FleetView:
         view.record = record
         if report is not None:
             view.update_report(report)
+
+    async def recent_migrations(self, count: int = 20) -> list[MigrationRecord]:
+        """The cluster's latest migration records, newest first (none if Redis cannot say)."""
+        try:
+            ids = await self._client.lrange(self._keys.migrations, 0, count - 1)
+            raws = await self._client.mget([self._keys.migration(i.decode()) for i in ids]) if ids else []
+        except (RedisError, OSError):
+            return []
+        records = []
+        for raw in raws:
+            if raw is None:
+                continue  # expired
+            try:
+                records.append(migration_record_decoder.decode(raw))
+            except msgspec.DecodeError:
+                continue
+        return records
 
     async def poll_forever(self, interval_s: float) -> None:
         while True:
