@@ -26,7 +26,7 @@ from tests.integration.test_migration import _agree
 
 pytestmark = pytest.mark.integration
 
-REJOIN_AFTER_S = 4.0
+REJOIN_AFTER_S = 10.0
 STREAMS, MAX_TOKENS = 6, 160
 
 
@@ -94,6 +94,7 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
     tasks = [asyncio.create_task(streamed(i)) for i in range(STREAMS)]
     await asyncio.wait_for(started.wait(), 120)
     assert victim in on.values(), on  # the router spreads six streams over both engines
+    asked_at = time.monotonic()
     if asked_by == "operator":
         (drained,) = await drainer.drain(cluster, [pod])
     else:
@@ -102,7 +103,10 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
     # Out of the rotation and empty: nothing new reaches it, nothing runs on it.
     assert drained.error == "" and drained.remaining == 0, drained
     record = smol_fleet.engine_record(victim)
-    assert record is not None and record.state == "DRAINING"
+    assert record is not None
+    # It rejoins REJOIN_AFTER_S after its drain ended, so a record read sooner than that after
+    # the drain was asked for must say DRAINING (a machine stall may delay the read past it).
+    assert record.state == "DRAINING" or time.monotonic() - asked_at >= REJOIN_AFTER_S, record
     got = await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
     # Every stream complete, once: the same tokens as its reference (up to a batch-shape tie,

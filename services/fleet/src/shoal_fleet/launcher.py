@@ -342,6 +342,14 @@ class Fleet:
             "http://localhost", transport=SupervisorTransport(None, None, f"unix://{sock}")
         )
 
+    def pids(self) -> dict[str, int]:
+        """Each running program's pid (a program that died and was restarted has a new one)."""
+        return {
+            info["name"]: info["pid"]
+            for info in self._rpc().supervisor.getAllProcessInfo()
+            if info["statename"] == "RUNNING"
+        }
+
     def _check_program(self, program: str) -> None:
         """Fail at once when a program gave up (FATAL) or exited and will not be restarted."""
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 from collections.abc import Callable
 
@@ -35,6 +36,16 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _STOP = object()
+
+
+_REPLY_TO = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|tcp://\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
+
+
+def valid_reply_to(address: str) -> bool:
+    """A router's output address: ``tcp://host:port`` (hostname, IPv4 or bracketed IPv6)."""
+    if not _REPLY_TO.fullmatch(address):
+        return False
+    return 0 < int(address.rsplit(":", 1)[1]) < 65536
 
 
 class RequestReceiver:
@@ -76,6 +87,11 @@ class RequestReceiver:
                     message = decoder.decode(frames[0].bytes, frames[1].buffer)
                 except msgspec.DecodeError as exc:
                     logger.warning("dropping undecodable frame: %s", exc)
+                    continue
+                if isinstance(message, AddRequest) and not valid_reply_to(message.reply_to):
+                    logger.warning(
+                        "dropping request with reply address %r (want tcp://host:port)", message.reply_to
+                    )
                     continue
                 self._loop.call_soon_threadsafe(self._on_request, message)
         finally:
@@ -120,7 +136,13 @@ class OutputSender:
                     sock.setsockopt(zmq.SNDHWM, self._hwm)
                     # Do not hang shutdown on a router that went away.
                     sock.setsockopt(zmq.LINGER, 1000)
-                    sock.connect(reply_to)
+                    try:
+                        sock.connect(reply_to)
+                    except zmq.ZMQError as exc:
+                        # The receiver refuses such addresses; never let one stop every output.
+                        sock.close(linger=0)
+                        logger.warning("dropping output for %r: cannot connect: %s", reply_to, exc)
+                        continue
                     sockets[reply_to] = sock
                     logger.info("connected output socket to router %s", reply_to)
                 sock.send_multipart((outputs_tag, encoder.encode(batch)), copy=False)
