@@ -144,3 +144,31 @@ def test_only_the_clusters_own_pods_reach_its_engines() -> None:
         "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": children.OPERATOR_LABELS}}],
         "ports": [{"port": children.ENGINE_CONTROL_PORT, "protocol": "TCP"}],
     }
+
+
+def test_every_pod_runs_unprivileged() -> None:
+    rendered = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
+    workloads = by_kind(rendered, "StatefulSet") + by_kind(rendered, "Deployment")
+    assert {w["metadata"]["labels"]["app.kubernetes.io/component"] for w in workloads} == {
+        "engine",
+        "router",
+        "tokenizer",
+        "redis",
+    }
+    for workload in workloads:
+        component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (container,) = pod["containers"]
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
+        # Engines write compile and model caches; everything else only to its mounted volumes.
+        assert security["readOnlyRootFilesystem"] is (component != "engine"), component
+        if security["readOnlyRootFilesystem"]:
+            mounted = {m["name"] for m in container["volumeMounts"]}
+            assert mounted and mounted <= {v["name"] for v in pod["volumes"]}
+    # Services bind the pod's own address, not every interface.
+    tokenizer = one(rendered, "Deployment", "tokenizer")["spec"]["template"]["spec"]["containers"][0]
+    args = tokenizer["args"]
+    assert args[args.index("--host") + 1] == "$(POD_IP)" and "POD_IP" in env_of(tokenizer)

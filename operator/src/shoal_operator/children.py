@@ -108,6 +108,37 @@ _POD_ENV = [
 ]
 
 
+SHOAL_UID = 10001
+"""The unprivileged user Shoal's images run as (``docker/``)."""
+REDIS_UID = 999
+"""The ``redis`` user of the official Redis image."""
+
+
+def _pod_security(uid: int) -> Manifest:
+    """No root, the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security(read_only_root: bool = True) -> Manifest:
+    """No privilege escalation, no capabilities; a read-only root filesystem where the process
+    writes only to its mounted volumes (engines write caches under /tmp and are left writable)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": read_only_root,
+    }
+
+
+_TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
+_TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
+
+
 def _redis_env(cluster: Cluster) -> list[dict[str, Any]]:
     """``REDIS_URL`` for every fleet container: the managed Redis, a URL, or a Secret's key."""
     redis = cluster.spec.redis
@@ -201,6 +232,7 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
         # Before SIGTERM: leave the rotation and migrate every request away, answering once
         # empty or at the drain deadline (the grace period covers it).
         "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": ENGINE_HTTP_PORT}}},
+        "securityContext": _container_security(read_only_root=False),
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
     }
     return {
@@ -217,6 +249,7 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
                 "metadata": {"labels": labels(cluster, "engine")},
                 "spec": {
                     "terminationGracePeriodSeconds": spec.drain.deadline_seconds + EXIT_GRACE_S,
+                    "securityContext": _pod_security(SHOAL_UID),
                     "containers": [container],
                     "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
                 },
@@ -264,10 +297,11 @@ def tokenizer_deployment(cluster: Cluster) -> Manifest:
             "--model",
             f"{model.served_name}={model.source}",
             "--host",
-            "0.0.0.0",
+            "$(POD_IP)",
             "--port",
             str(TOKENIZER_PORT),
         ],
+        "env": list(_POD_ENV),
         "ports": [{"name": "grpc", "containerPort": TOKENIZER_PORT}],
         "resources": _resources("1", "2Gi"),
         "readinessProbe": {"grpc": {"port": TOKENIZER_PORT}, "periodSeconds": 5},
@@ -287,7 +321,17 @@ def _deployment(cluster: Cluster, component: str, replicas: int, container: Mani
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {"labels": labels(cluster, component)},
-                "spec": {"containers": [container]},
+                "spec": {
+                    "securityContext": _pod_security(SHOAL_UID),
+                    "containers": [
+                        {
+                            **container,
+                            "securityContext": _container_security(),
+                            "volumeMounts": [_TMP_MOUNT],
+                        }
+                    ],
+                    "volumes": [_TMP_VOLUME],
+                },
             },
         },
     }
@@ -332,6 +376,8 @@ def redis_statefulset(cluster: Cluster) -> Manifest:
         "resources": _resources("1", "1Gi"),
         "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 10},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
     return {
         "apiVersion": "apps/v1",
@@ -343,7 +389,11 @@ def redis_statefulset(cluster: Cluster) -> Manifest:
             "selector": {"matchLabels": selector(cluster, "redis")},
             "template": {
                 "metadata": {"labels": labels(cluster, "redis")},
-                "spec": {"containers": [container]},
+                "spec": {
+                    "securityContext": _pod_security(REDIS_UID),
+                    "containers": [container],
+                    "volumes": [{"name": "data", "emptyDir": {}}],
+                },
             },
         },
     }
