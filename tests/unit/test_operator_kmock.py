@@ -14,7 +14,7 @@ import copy
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import kmock as kmock_lib
 import kopf
@@ -242,22 +242,34 @@ async def test_service_monitor_only_when_its_crd_exists(
     assert [c for c in outcome.created if c.startswith("ServiceMonitor/")] != []
 
 
+class DrainCall(NamedTuple):
+    """One drain, with the engine StatefulSet and the cluster's Draining condition at that moment."""
+
+    pods: list[str]
+    replicas: int
+    partition: int
+    status: str
+    reason: str
+
+
 class RecordingDrainer:
     """A drainer at the operator's own seam (the real one calls each engine's gRPC drain, tested
-    with real engines in ``tests/integration/test_scale_down.py``): records what it was asked
-    to drain and the StatefulSet's replicas at that moment."""
+    with real engines in ``tests/integration/test_scale_down.py``): records each drain."""
 
     def __init__(self, api: kmock_lib.KubernetesEmulator) -> None:
         self.api = api
-        self.calls: list[tuple[list[str], int, str]] = []
+        self.calls: list[DrainCall] = []
 
     async def drain(self, cluster: Cluster, pods: list[str]) -> list[Drained]:
-        replicas = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]["replicas"]
+        spec = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]
         draining = next(
             c for c in self.api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Draining"
         )
-        self.calls.append((pods, replicas, draining["status"]))
-        return [Drained(pod, migrated=3) for pod in pods]
+        partition = spec["updateStrategy"]["rollingUpdate"]["partition"]
+        self.calls.append(
+            DrainCall(pods, spec["replicas"], partition, draining["status"], draining["reason"])
+        )
+        return [Drained(pod, migrated=2) for pod in pods]
 
 
 async def test_scale_down_drains_the_leaving_engines_before_the_statefulset_shrinks(
@@ -275,7 +287,7 @@ async def test_scale_down_drains_the_leaving_engines_before_the_statefulset_shri
         outcome = await reconciler.reconcile(NS, NAME)
         # The StatefulSet removes the highest ordinals: those drained, while it still had 4, with
         # the cluster saying Draining=True.
-        assert drainer.calls == [(["smol-engine-3", "smol-engine-2"], 4, "True")]
+        assert drainer.calls == [DrainCall(["smol-engine-3", "smol-engine-2"], 4, 0, "True", "ScaleDown")]
         assert [d.pod for d in outcome.drained] == ["smol-engine-3", "smol-engine-2"]
         assert _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 2
         before = len(_requests(api))
@@ -319,30 +331,11 @@ class StatefulSetController:
         )
 
 
-class RolloutDrainer:
-    """Records each drain with the StatefulSet as it stood then (replicas, partition) and the
-    cluster's Draining condition."""
-
-    def __init__(self, api: kmock_lib.KubernetesEmulator) -> None:
-        self.api = api
-        self.calls: list[tuple[list[str], int, int, str]] = []
-
-    async def drain(self, cluster: Cluster, pods: list[str]) -> list[Drained]:
-        spec = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]
-        draining = next(
-            c for c in self.api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Draining"
-        )
-        self.calls.append(
-            (pods, spec["replicas"], spec["updateStrategy"]["rollingUpdate"]["partition"], draining["reason"])
-        )
-        return [Drained(pod, migrated=2) for pod in pods]
-
-
 async def test_image_change_rolls_engines_with_a_surge_and_drains_each_before_it_is_replaced(
     api: kmock_lib.KubernetesEmulator,
 ) -> None:
     kube = Kube(_info(api))
-    drainer = RolloutDrainer(api)
+    drainer = RecordingDrainer(api)
     reconciler = Reconciler(kube, drainer)
     controller = StatefulSetController(api)
     try:
@@ -365,11 +358,11 @@ async def test_image_change_rolls_engines_with_a_surge_and_drains_each_before_it
         assert set(controller.pods.values()) == {"shoal/engine:0.2.0"} and old != "shoal/engine:0.2.0"
         # Surge engine 3 first; then each old engine drained while the partition still kept it
         # (so it was empty when the controller replaced it); last, the surge engine leaves.
-        assert drainer.calls == [
-            (["smol-engine-2"], 4, 3, "RollingUpdate"),
-            (["smol-engine-1"], 4, 2, "RollingUpdate"),
-            (["smol-engine-0"], 4, 1, "RollingUpdate"),
-            (["smol-engine-3"], 4, 0, "ScaleDown"),
+        assert [(c.pods, c.replicas, c.partition, c.status, c.reason) for c in drainer.calls] == [
+            (["smol-engine-2"], 4, 3, "True", "RollingUpdate"),
+            (["smol-engine-1"], 4, 2, "True", "RollingUpdate"),
+            (["smol-engine-0"], 4, 1, "True", "RollingUpdate"),
+            (["smol-engine-3"], 4, 0, "True", "ScaleDown"),
         ]
         assert min(ready_on_old_or_new) >= 3  # capacity never below the spec's engine count
         engines = _children(api)["StatefulSet/smol-engine"]["spec"]
