@@ -172,3 +172,31 @@ def test_every_pod_runs_unprivileged() -> None:
     tokenizer = one(rendered, "Deployment", "tokenizer")["spec"]["template"]["spec"]["containers"][0]
     args = tokenizer["args"]
     assert args[args.index("--host") + 1] == "$(POD_IP)" and "POD_IP" in env_of(tokenizer)
+
+
+def test_router_api_keys_come_from_secrets() -> None:
+    obj = yaml.safe_load((ROOT / "operator" / "samples" / "minimal.yaml").read_text())
+    obj["spec"]["router"] = {
+        "apiKeysSecret": {"name": "llm-keys"},
+        "adminKeysSecret": {"name": "ops", "key": "k"},
+    }
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
+    deployment = one(children.render(cluster), "Deployment", "router")
+    kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[args.index("--api-keys-file") + 1] == "/etc/shoal/api-keys/keys"
+    assert args[args.index("--admin-keys-file") + 1] == "/etc/shoal/admin-keys/k"
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    assert secrets == {
+        "api-keys": {"secretName": "llm-keys", "items": [{"key": "keys", "path": "keys"}]},
+        "admin-keys": {"secretName": "ops", "items": [{"key": "k", "path": "k"}]},
+    }
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["api-keys"]["readOnly"] and mounts["api-keys"]["mountPath"] == "/etc/shoal/api-keys"
+    # Without them, the API is open: no flag, no Secret volume.
+    plain = one(
+        children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")), "Deployment", "router"
+    )
+    assert "--api-keys-file" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]

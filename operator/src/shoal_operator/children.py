@@ -136,6 +136,8 @@ def _container_security(read_only_root: bool = True) -> Manifest:
 
 
 _TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
+KEYS_DIR = "/etc/shoal"
+"""Where routers find their API keys files (mounted from Secrets)."""
 _TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
 
 
@@ -270,6 +272,22 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "--port", str(ROUTER_HTTP_PORT),
         "--zmq-port", str(ROUTER_ZMQ_PORT),
     ]  # fmt: skip
+    mounts, volumes = [], []
+    for flag, secret in (
+        ("--api-keys-file", router.api_keys_secret),
+        ("--admin-keys-file", router.admin_keys_secret),
+    ):
+        if secret is not None:
+            volume = flag.removeprefix("--").removesuffix("-file")
+            folder = f"{KEYS_DIR}/{volume}"
+            args += [flag, f"{folder}/{secret.key}"]
+            mounts.append({"name": volume, "mountPath": folder, "readOnly": True})
+            volumes.append(
+                {
+                    "name": volume,
+                    "secret": {"secretName": secret.name, "items": [{"key": secret.key, "path": secret.key}]},
+                }
+            )
     container = {
         "name": "router",
         "image": router.image,
@@ -284,7 +302,7 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "readinessProbe": _http_probe(ROUTER_HTTP_PORT),
         "livenessProbe": {**_http_probe(ROUTER_HTTP_PORT), "failureThreshold": 6},
     }
-    return _deployment(cluster, "router", router.replicas, container)
+    return _deployment(cluster, "router", router.replicas, container, mounts, volumes)
 
 
 def tokenizer_deployment(cluster: Cluster) -> Manifest:
@@ -310,7 +328,15 @@ def tokenizer_deployment(cluster: Cluster) -> Manifest:
     return _deployment(cluster, "tokenizer", tokenizer.replicas, container)
 
 
-def _deployment(cluster: Cluster, component: str, replicas: int, container: Manifest) -> Manifest:
+def _deployment(
+    cluster: Cluster,
+    component: str,
+    replicas: int,
+    container: Manifest,
+    mounts: list[Manifest] | None = None,
+    volumes: list[Manifest] | None = None,
+) -> Manifest:
+    """A Deployment of ``container`` (hardened, /tmp writable) with extra ``mounts`` of ``volumes``."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -327,10 +353,10 @@ def _deployment(cluster: Cluster, component: str, replicas: int, container: Mani
                         {
                             **container,
                             "securityContext": _container_security(),
-                            "volumeMounts": [_TMP_MOUNT],
+                            "volumeMounts": [_TMP_MOUNT, *(mounts or [])],
                         }
                     ],
-                    "volumes": [_TMP_VOLUME],
+                    "volumes": [_TMP_VOLUME, *(volumes or [])],
                 },
             },
         },

@@ -144,6 +144,14 @@ class IngressSpec(_Spec):
     class_name: str = Field(default="", alias="className", max_length=253, description="IngressClass name.")
 
 
+class KeysSecret(_Spec):
+    """A Secret key holding an API keys file: one ``NAME SHA256_HEX`` line per key (the SHA-256
+    of the key; ``python -m shoal_router.api.auth NAME < key`` prints one)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_LABEL_PATTERN, description="Secret name.")
+    key: str = Field(default="keys", min_length=1, max_length=253, description="Key holding the file.")
+
+
 class RouterSpec(_Spec):
     """The OpenAI-compatible routers (a Deployment; they share request state in Redis)."""
 
@@ -155,6 +163,16 @@ class RouterSpec(_Spec):
         default=Resources(cpu="1", memory="1Gi"), description="CPU and memory per router."
     )
     ingress: IngressSpec = Field(default_factory=IngressSpec, description="Ingress for the router.")
+    api_keys_secret: KeysSecret | None = Field(
+        default=None,
+        alias="apiKeysSecret",
+        description="API keys required as bearer tokens on /v1/*; unset: the API is open.",
+    )
+    admin_keys_secret: KeysSecret | None = Field(
+        default=None,
+        alias="adminKeysSecret",
+        description="Keys required on /metrics and the fleet page; unset: they are open.",
+    )
 
 
 class TokenizerSpec(_Spec):

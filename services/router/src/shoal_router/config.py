@@ -53,3 +53,9 @@ class RouterConfig(BaseModel):
 
     retry_after_s: int = Field(default=1, ge=1)
     """``Retry-After`` of 503 answers when no engine can serve."""
+
+    api_keys_file: str | None = None
+    """Keys file (``NAME SHA256_HEX`` per line) guarding ``/v1/*``; None: no auth."""
+
+    admin_keys_file: str | None = None
+    """Keys file guarding ``/metrics`` and the fleet page; None: open."""

@@ -21,6 +21,7 @@ from fastapi import FastAPI
 
 from shoal_protos.records import Keys, state_client
 from shoal_router.api.app import create_app
+from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
 from shoal_router.ipc.engines import EngineClient
@@ -43,6 +44,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--zmq-port", type=int, default=5700)
+    parser.add_argument(
+        "--api-keys-file", help="keys (NAME SHA256_HEX per line) required as bearer tokens on /v1/*"
+    )
+    parser.add_argument("--admin-keys-file", help="keys required on /metrics and the fleet page")
     args = parser.parse_args(argv)
     return RouterConfig(
         models=args.model,
@@ -53,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         host=args.host,
         port=args.port,
         zmq_port=args.zmq_port,
+        api_keys_file=args.api_keys_file,
+        admin_keys_file=args.admin_keys_file,
     )
 
 
@@ -122,7 +129,14 @@ def build_app(config: RouterConfig) -> FastAPI:
             await tokenizer.close()
             await redis_client.aclose()
 
-    return create_app(generation, tokenizer, config.retry_after_s, lifespan=lifespan)
+    return create_app(
+        generation,
+        tokenizer,
+        config.retry_after_s,
+        lifespan=lifespan,
+        api_keys=KeyFile(config.api_keys_file) if config.api_keys_file else None,
+        admin_keys=KeyFile(config.admin_keys_file) if config.admin_keys_file else None,
+    )
 
 
 async def serve(config: RouterConfig) -> None:

@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shoal_router.api.auth import KeyFile
 from shoal_router.api.fleet_page import PAGE, fleet_state
 from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from shoal_router.api.serving import Generation, GenerationHandle
@@ -74,14 +75,38 @@ def _usage(handle: GenerationHandle) -> dict[str, int]:
     }
 
 
+_ADMIN_PATHS = frozenset({"/metrics", "/fleet", "/fleet/state"})
+_Next = Callable[[Request], Awaitable[Response]]
+
+
 def create_app(
     generation: Generation,
     tokenizer: TokenizerClient,
     retry_after_s: int,
     lifespan: Callable[[FastAPI], Any] | None = None,
+    api_keys: KeyFile | None = None,
+    admin_keys: KeyFile | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Shoal router", version="0.1.0", lifespan=lifespan)
     metrics = generation.metrics
+
+    @app.middleware("http")
+    async def _authenticate(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        path = request.url.path
+        keys = api_keys if path.startswith("/v1/") else admin_keys if path in _ADMIN_PATHS else None
+        if keys is not None and keys.identify(request.headers.get("authorization")) is None:
+            body = {
+                "error": {
+                    "message": "missing or unknown API key (send Authorization: Bearer <key>)",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:

@@ -1,0 +1,109 @@
+"""API keys on a real router: a second router process on the tiny fleet's Redis, tokenizer and
+engines, started with a keys file for ``/v1/*`` and another for ``/metrics`` and the fleet page.
+The official client with a wrong key gets a 401 it understands; the right key streams; the
+admin endpoints want the admin key; ``/health`` stays open for probes; a rotated key takes
+effect without a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.support import RunningFleet, free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _line(name: str, key: str) -> str:
+    return f"{name} {hashlib.sha256(key.encode()).hexdigest()}\n"
+
+
+@pytest.fixture
+def keyed_router(tiny_fleet: RunningFleet, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    api_keys, admin_keys = tmp_path / "api-keys", tmp_path / "admin-keys"
+    api_keys.write_text(_line("team-a", "sk-team-a"))
+    admin_keys.write_text(_line("ops", "sk-ops"))
+    port = free_port()
+    cfg = tiny_fleet.cfg
+    command = [
+        sys.executable, "-m", "shoal_router.main",
+        "--model", tiny_fleet.model,
+        "--cluster", cfg.cluster,
+        "--router-id", "router-keys",
+        "--redis-url", cfg.redis_url,
+        "--tokenizer", f"{cfg.host}:{cfg.tokenizer_port}",
+        "--host", cfg.host,
+        "--port", str(port),
+        "--zmq-port", str(free_port()),
+        "--api-keys-file", str(api_keys),
+        "--admin-keys-file", str(admin_keys),
+    ]  # fmt: skip
+    log = (tmp_path / "router.log").open("wb")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{cfg.host}:{port}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp_path / "router.log").read_text()
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, 60, "the keyed router to serve", every_s=0.2)
+        yield url, api_keys
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_api_keys_guard_the_api_and_the_admin_endpoints(
+    tiny_fleet: RunningFleet, keyed_router: tuple[str, Path]
+) -> None:
+    url, api_keys = keyed_router
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client("sk-wrong").completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    bare = httpx.get(url + "/v1/models", timeout=10)
+    assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
+
+    stream = client("sk-team-a").completions.create(
+        model=tiny_fleet.model, prompt=[1, 2], max_tokens=8, stream=True
+    )
+    assert sum(1 for _ in stream) >= 1
+
+    for path in ("/metrics", "/fleet", "/fleet/state"):
+        assert httpx.get(url + path, timeout=10).status_code == 401, path
+        # The API key is not an admin key, and the admin key opens them.
+        assert (
+            httpx.get(url + path, headers={"Authorization": "Bearer sk-team-a"}, timeout=10).status_code
+            == 401
+        )
+        assert (
+            httpx.get(url + path, headers={"Authorization": "Bearer sk-ops"}, timeout=10).status_code == 200
+        )
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes need no key
+
+    # Rotation: the file changes (as a mounted Secret does); the router reads it again.
+    api_keys.write_text(_line("team-a", "sk-team-a-2"))
+    os.utime(api_keys, ns=(1, 1))
+
+    def rotated() -> bool:
+        old = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-team-a"}, timeout=10)
+        new = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-team-a-2"}, timeout=10)
+        return old.status_code == 401 and new.status_code == 200
+
+    wait_until(rotated, 15, "the rotated key to take effect", every_s=0.2)

@@ -1,0 +1,66 @@
+"""API keys files: hashed keys parsed strictly, bearer tokens identified, and a changed file
+read again (a broken one keeps the last good keys)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from shoal_router.api.auth import KeyFile, bearer_token, hash_key, parse_keys
+
+
+def _line(name: str, key: str) -> str:
+    return f"{name} {hashlib.sha256(key.encode()).hexdigest()}\n"
+
+
+def test_parse_keys_and_identify(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(
+        "# team keys\n" + _line("alice", "sk-alice") + "\n" + _line("bob", "sk-bob") + "  # trailing\n"
+    )
+    keys = KeyFile(path)
+    assert keys.identify("Bearer sk-alice") == "alice"
+    assert keys.identify("bearer   sk-bob") == "bob"
+    assert keys.identify("Bearer sk-carol") is None
+    assert keys.identify("Basic sk-alice") is None
+    assert keys.identify(None) is None and keys.identify("Bearer ") is None
+    assert hash_key("sk-alice") in parse_keys(path.read_text())
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("alice sk-plain-key\n", 1),
+        ("# ok\nalice " + "A" * 64 + "\n", 2),
+        ("alice\n", 1),
+        ("a b " + "0" * 64, 1),
+    ],
+)
+def test_bad_lines_are_refused_by_number(text: str, line: int) -> None:
+    with pytest.raises(ValueError, match=f"line {line}:"):
+        parse_keys(text)
+
+
+def test_a_changed_file_is_read_again_and_a_broken_one_keeps_the_last_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(_line("alice", "sk-old"))
+    keys = KeyFile(path, recheck_s=0.0)
+    assert keys.identify("Bearer sk-old") == "alice"
+    path.write_text(_line("alice", "sk-new") + _line("bob", "sk-bob"))
+    os.utime(path, ns=(1, 1))  # a different stamp even within the clock's resolution
+    assert keys.identify("Bearer sk-old") is None and keys.identify("Bearer sk-new") == "alice"
+    path.write_text("not a keys file\n")
+    assert keys.identify("Bearer sk-bob") == "bob"  # still the last good keys
+
+
+def test_a_missing_file_fails_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot read API keys"):
+        KeyFile(tmp_path / "absent")
+
+
+def test_bearer_token() -> None:
+    assert bearer_token("Bearer abc") == "abc" and bearer_token("BEARER  abc ") == "abc"
+    assert bearer_token("Token abc") is None and bearer_token("") is None
