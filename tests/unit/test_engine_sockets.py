@@ -5,6 +5,7 @@ for what one bad address used to do to a running engine)."""
 from __future__ import annotations
 
 import pytest
+
 from shoal_engine.ipc.sockets import valid_reply_to
 
 
