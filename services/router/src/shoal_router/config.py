@@ -40,7 +40,13 @@ class RouterConfig(BaseModel):
     """How often the engine registry and load reports are read from Redis."""
 
     max_inflight_requests: int = Field(default=4096, ge=1)
-    """Requests in flight at once; more are answered 429."""
+    """Requests in flight at once; more wait in the admission queue."""
+
+    max_queued_requests: int = Field(default=1024, ge=0)
+    """Requests waiting for a slot at once; more are answered 429 with ``Retry-After``."""
+
+    queue_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Longest wait for a slot; then 429 with ``Retry-After``."""
 
     engine_send_hwm: int = Field(default=10_000, ge=1)
     """Frames queued per engine socket before the engine counts as overloaded (503)."""

@@ -103,6 +103,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         metrics,
         config.max_inflight_requests,
         config.max_dispatch_attempts,
+        config.max_queued_requests,
+        config.queue_timeout_s,
     )
 
     @contextlib.asynccontextmanager

@@ -32,6 +32,9 @@ class RouterMetrics:
             registry=r,
         )
         self.inflight = Gauge("shoal_router_requests_inflight", "Generation requests in flight.", registry=r)
+        self.queued = Gauge(
+            "shoal_router_requests_queued", "Requests waiting for a slot (the router is full).", registry=r
+        )
         self.dispatched = Counter(
             "shoal_router_dispatched",
             "Requests sent to each engine, by the dispatch policy that chose it.",

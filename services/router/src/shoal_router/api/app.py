@@ -25,7 +25,7 @@ from shoal_router.api.fleet_page import PAGE, fleet_state
 from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
-from shoal_router.errors import RouterError, ServiceUnavailableError
+from shoal_router.errors import RouterError, ServiceUnavailableError, TooManyRequestsError
 from shoal_router.ipc.tokenizing import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def error_response(exc: RouterError, retry_after_s: int = 1) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after_s)} if isinstance(exc, ServiceUnavailableError) else None
+    busy = isinstance(exc, ServiceUnavailableError | TooManyRequestsError)
+    headers = {"Retry-After": str(retry_after_s)} if busy else None
     return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
 
 
@@ -212,7 +213,7 @@ def create_app(
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
         )
-        handle = generation.start(body.model, prompt_ids, sampling)
+        handle = await generation.start(body.model, prompt_ids, sampling)
         deltas = handle.deltas()
         # Wait for the first output before answering, so that an engine refusing the request
         # still gets an HTTP status of its own rather than an error event in a 200 stream.

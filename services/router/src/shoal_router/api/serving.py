@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from shoal_protos.messages import AddRequest, FinishReason, SamplingOptions
+from shoal_router.core.admission import Admission
 from shoal_router.core.dispatch import LEAST_LOAD, EngineView, pick_least_loaded
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
 from shoal_router.errors import (
@@ -22,7 +23,6 @@ from shoal_router.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NoEngineError,
-    TooManyRequestsError,
 )
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
@@ -41,13 +41,15 @@ class Generation:
         metrics: RouterMetrics,
         max_inflight: int,
         max_attempts: int,
+        max_queued: int = 0,
+        queue_timeout_s: float = 30.0,
     ) -> None:
         self._router_id = router_id
         self._configured = configured_models
         self.fleet = fleet
         self.engines = engines
         self.metrics = metrics
-        self._max_inflight = max_inflight
+        self.admission = Admission(max_inflight, max_queued, queue_timeout_s)
         self.max_attempts = max_attempts
         self.inflight = 0
 
@@ -94,21 +96,29 @@ class Generation:
             ignore_eos=ignore_eos,
         )
 
-    def start(self, model: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> GenerationHandle:
+    async def start(
+        self, model: str, prompt_token_ids: list[int], sampling: SamplingOptions
+    ) -> GenerationHandle:
+        """Admit the request (waiting in line for a slot if the router is full) and send it to
+        an engine; the handle gives the slot back when it closes."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
-        if self.inflight >= self._max_inflight:
-            raise TooManyRequestsError(
-                f"this router has {self.inflight} requests in flight (max_inflight_requests); retry later",
-                code="router_busy",
+        self.metrics.queued.inc()
+        try:
+            await self.admission.enter()
+        finally:
+            self.metrics.queued.dec()
+        try:
+            handle = GenerationHandle(
+                self,
+                model,
+                f"{self._router_id}-{uuid.uuid4().hex}",
+                AddRequest("", prompt_token_ids, sampling, self.engines.reply_to),
             )
-        handle = GenerationHandle(
-            self,
-            model,
-            f"{self._router_id}-{uuid.uuid4().hex}",
-            AddRequest("", prompt_token_ids, sampling, self.engines.reply_to),
-        )
-        handle.dispatch()
+            handle.dispatch()
+        except BaseException:
+            self.admission.leave()
+            raise
         return handle
 
     def pick(self, model: str, exclude: set[str]) -> EngineView:
@@ -254,3 +264,4 @@ class GenerationHandle:
         self._leave_engine()
         gen.inflight -= 1
         gen.metrics.inflight.set(gen.inflight)
+        gen.admission.leave()
