@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "--api-keys-file", help="keys (NAME SHA256_HEX per line) required as bearer tokens on /v1/*"
     )
     parser.add_argument("--admin-keys-file", help="keys required on /metrics and the fleet page")
+    parser.add_argument("--max-inflight", type=int, default=4096, help="requests running at once")
+    parser.add_argument("--max-queued", type=int, default=1024, help="requests waiting for a slot; more get 429")
+    parser.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for a slot, seconds")
     args = parser.parse_args(argv)
     return RouterConfig(
         models=args.model,
@@ -60,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         zmq_port=args.zmq_port,
         api_keys_file=args.api_keys_file,
         admin_keys_file=args.admin_keys_file,
+        max_inflight_requests=args.max_inflight,
+        max_queued_requests=args.max_queued,
+        queue_timeout_s=args.queue_timeout,
     )
 
 
