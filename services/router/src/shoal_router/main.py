@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     )
     parser.add_argument("--admin-keys-file", help="keys required on /metrics and the fleet page")
     parser.add_argument("--max-inflight", type=int, default=4096, help="requests running at once")
-    parser.add_argument("--max-queued", type=int, default=1024, help="requests waiting for a slot (more: 429)")
+    parser.add_argument("--max-queued", type=int, default=1024, help="requests waiting (more: 429)")
     parser.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for a slot, seconds")
     args = parser.parse_args(argv)
     return RouterConfig(
