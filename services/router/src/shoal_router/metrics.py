@@ -153,7 +153,5 @@ class RouterMetrics:
             requests = self.engine_requests
             requests.labels(record.engine_id, record.model, "running").set(report.num_running)
             requests.labels(record.engine_id, record.model, "waiting").set(report.num_waiting)
-            blocks = report.kv_blocks_used + report.kv_blocks_free
-            usage = report.kv_blocks_used / blocks if blocks else 0.0
-            self.engine_kv_usage.labels(record.engine_id, record.model).set(usage)
+            self.engine_kv_usage.labels(record.engine_id, record.model).set(view.kv_usage)
             self.engine_step.labels(record.engine_id, record.model).set(report.step_time_ms / 1000)

@@ -137,10 +137,7 @@ def create_app(
         body = {
             "status": "ok",
             "redis": generation.fleet.redis_ok,
-            "engines": {
-                eid: str(view.record.state) if view.connected else "UNREACHABLE"
-                for eid, view in engines.items()
-            },
+            "engines": {eid: view.state for eid, view in engines.items()},
             "models": generation.served_models(),
             "inflight": generation.inflight,
         }

@@ -21,15 +21,14 @@ async def fleet_state(router_id: str, fleet: FleetView, engines: EngineClient) -
     engine_rows = []
     for view in sorted(fleet.engines.values(), key=lambda v: v.engine_id):
         report = view.report
-        blocks = (report.kv_blocks_used + report.kv_blocks_free) if report else 0
         engine_rows.append(
             {
                 "id": view.engine_id,
                 "model": view.record.model,
-                "state": str(view.record.state) if view.connected else "UNREACHABLE",
+                "state": view.state,
                 "running": report.num_running if report else 0,
                 "waiting": report.num_waiting if report else 0,
-                "kv_usage": (report.kv_blocks_used / blocks) if report and blocks else 0.0,
+                "kv_usage": view.kv_usage,
                 "step_ms": report.step_time_ms if report else 0.0,
                 "inflight_here": view.inflight,
             }

@@ -37,6 +37,19 @@ class EngineView:
     def dispatchable(self) -> bool:
         return self.record.state == EngineState.ACTIVE and self.connected
 
+    @property
+    def state(self) -> str:
+        """The engine's registered state, or UNREACHABLE while this router's link to it is down."""
+        return str(self.record.state) if self.connected else "UNREACHABLE"
+
+    @property
+    def kv_usage(self) -> float:
+        """KV blocks in use over all blocks, as the last load report says (0 without one)."""
+        if self.report is None:
+            return 0.0
+        blocks = self.report.kv_blocks_used + self.report.kv_blocks_free
+        return self.report.kv_blocks_used / blocks if blocks else 0.0
+
     def update_report(self, report: LoadReport) -> None:
         if self.report is None or report.seq != self.report.seq:
             self.report = report
