@@ -143,9 +143,8 @@ class Reconciler:
         )
         rendered = render(cluster, service_monitors=monitors)
         engines_ref = f"StatefulSet/{name}-engine"
-        engines = await self._api.get("apps/v1", "StatefulSet", namespace, f"{name}-engine")
-        known: dict[str, Manifest | None] = {engines_ref: engines}  # children already read this pass
         desired_engines = next(child for child in rendered if _ref(child) == engines_ref)
+        engines = await self._get(desired_engines)  # read once: the plan and the apply both use it
         template_changed = engines is not None and drifted(
             desired_engines["spec"]["template"], (engines.get("spec") or {}).get("template")
         )
@@ -157,7 +156,7 @@ class Reconciler:
             ref = _ref(child)
             desired = rollout.apply(child, engine_plan) if ref == engines_ref else child
             live[ref] = await self._apply(
-                desired, outcome, known[ref] if ref in known else await self._get(desired)
+                desired, outcome, engines if ref == engines_ref else await self._get(desired)
             )
         wanted = cluster_status.compute(
             cluster,
@@ -177,7 +176,8 @@ class Reconciler:
         """Before the engine StatefulSet removes or replaces the engines ``engine_plan`` names,
         drain them; returns the status as it now stands (``Draining=True`` while they drain).
 
-        Without a drainer the engines still drain, on their own SIGTERM, within the same deadline.
+        Without a drainer the engines still drain, in their pods' preStop hook, within the same
+        deadline.
         """
         if self._drainer is None:
             return previous
