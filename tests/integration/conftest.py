@@ -105,7 +105,11 @@ def _fleets(
     configs = {
         # The tiny model's whole context: its streams must outlast a client the machine leaves
         # unscheduled for a few seconds (the tiny model decodes 2,000 tokens in about as long).
-        "tiny": _config("tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0, max_model_len=8192),
+        # float32: on CPUs with AMX, vLLM's CPU build dies with SIGILL on the tiny model's first
+        # bf16 step (its small shapes take a kernel SmolLM2's do not).
+        "tiny": _config(
+            "tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0, max_model_len=8192, dtype="float32"
+        ),
         # float32: greedy decoding in bf16 is not batch-invariant (a near-tie flips with the
         # shape of the batch, and many concurrent streams moving between engines change it);
         # in float32 such ties are some ten thousand times rarer.

@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -230,3 +231,44 @@ def dispatched(fleet: RunningFleet) -> dict[str, float]:
     for engine, count in re.findall(pattern, text):
         counts[engine] = counts.get(engine, 0.0) + float(count)
     return counts
+
+
+@contextlib.contextmanager
+def extra_router(
+    fleet: RunningFleet, router_id: str, log_dir: Path, *args: str
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Another router process on ``fleet``'s Redis, tokenizer and engines, with its own ports and
+    the extra command-line ``args``; yields its base URL and process once it serves."""
+    port = free_port()
+    cfg = fleet.cfg
+    command = [
+        sys.executable, "-m", "shoal_router.main",
+        "--model", fleet.model,
+        "--cluster", cfg.cluster,
+        "--router-id", router_id,
+        "--redis-url", cfg.redis_url,
+        "--tokenizer", f"{cfg.host}:{cfg.tokenizer_port}",
+        "--host", cfg.host,
+        "--port", str(port),
+        "--zmq-port", str(free_port()),
+        *args,
+    ]  # fmt: skip
+    log_path = log_dir / f"{router_id}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{cfg.host}:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, 60, f"router {router_id} to serve", every_s=0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=30)

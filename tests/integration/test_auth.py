@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, free_port, wait_until
+from tests.integration.support import RunningFleet, extra_router, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,39 +29,9 @@ def keyed_router(tiny_fleet: RunningFleet, tmp_path: Path) -> Iterator[tuple[str
     api_keys, admin_keys = tmp_path / "api-keys", tmp_path / "admin-keys"
     api_keys.write_text(_line("team-a", "sk-team-a"))
     admin_keys.write_text(_line("ops", "sk-ops"))
-    port = free_port()
-    cfg = tiny_fleet.cfg
-    command = [
-        sys.executable, "-m", "shoal_router.main",
-        "--model", tiny_fleet.model,
-        "--cluster", cfg.cluster,
-        "--router-id", "router-keys",
-        "--redis-url", cfg.redis_url,
-        "--tokenizer", f"{cfg.host}:{cfg.tokenizer_port}",
-        "--host", cfg.host,
-        "--port", str(port),
-        "--zmq-port", str(free_port()),
-        "--api-keys-file", str(api_keys),
-        "--admin-keys-file", str(admin_keys),
-    ]  # fmt: skip
-    log = (tmp_path / "router.log").open("wb")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://{cfg.host}:{port}"
-    try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, (tmp_path / "router.log").read_text()
-            try:
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, 60, "the keyed router to serve", every_s=0.2)
+    keys = ("--api-keys-file", str(api_keys), "--admin-keys-file", str(admin_keys))
+    with extra_router(tiny_fleet, "router-keys", tmp_path, *keys) as (url, _):
         yield url, api_keys
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def test_api_keys_guard_the_api_and_the_admin_endpoints(

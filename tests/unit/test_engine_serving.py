@@ -298,6 +298,26 @@ async def test_abort_cancels_the_stream_and_sends_an_abort_piece(
     assert service.num_requests == 0
 
 
+async def test_a_lost_router_has_its_requests_aborted_and_no_other(
+    service: EngineService, backend: FakeBackend, send: FakeSend
+) -> None:
+    service.on_request(add("a1", reply_to=ROUTER_A))
+    service.on_request(add("a2", reply_to=ROUTER_A))
+    service.on_request(add("b1", reply_to=ROUTER_B))
+    await backend.wait_started("a1", "a2", "b1")
+
+    assert service.router_lost(ROUTER_A) == 2
+    await send.wait_final("a1")
+    await send.wait_final("a2")
+
+    assert sorted(backend.cancelled) == ["a1", "a2"]
+    assert service.num_requests == 1
+    backend.feed("b1", out([5], "x", FinishReason.LENGTH))
+    final = await send.wait_final("b1")
+    assert final.finish_reason is FinishReason.LENGTH
+    assert service.router_lost(ROUTER_A) == 0
+
+
 async def test_abort_of_several_ids_ignores_unknown_ones(
     service: EngineService, backend: FakeBackend, send: FakeSend
 ) -> None:
@@ -396,9 +416,10 @@ async def test_backend_death_before_any_token_is_retryable_and_fatal(
     assert fatal == [death]
 
 
-async def test_backend_death_after_tokens_is_not_retryable(
+async def test_backend_death_after_tokens_is_retryable_from_its_first_missing_token(
     service: EngineService, backend: FakeBackend, send: FakeSend, fatal: list[BaseException]
 ) -> None:
+    """The router continues the request elsewhere after the tokens it has (index 3 on)."""
     service.on_request(add("r1"))
     await backend.wait_started("r1")
 
@@ -408,7 +429,7 @@ async def test_backend_death_after_tokens_is_not_retryable(
     assert final.first_index == 3
     assert final.error is not None
     assert final.error.code == "engine_dead"
-    assert final.error.retryable is False
+    assert final.error.retryable is True
     assert len(fatal) == 1
 
 

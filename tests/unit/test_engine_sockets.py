@@ -4,9 +4,13 @@ for what one bad address used to do to a running engine)."""
 
 from __future__ import annotations
 
-import pytest
+import queue
 
-from shoal_engine.ipc.sockets import valid_reply_to
+import pytest
+import zmq
+
+from shoal_engine.ipc.sockets import OutputSender, valid_reply_to
+from shoal_protos.messages import OutputBatch, RequestPiece
 
 
 @pytest.mark.parametrize(
@@ -36,3 +40,34 @@ def test_router_addresses_are_accepted(address: str) -> None:
 )
 def test_anything_else_is_refused(address: str) -> None:
     assert not valid_reply_to(address)
+
+
+def test_the_sender_reports_a_router_whose_link_dropped() -> None:
+    """Over real loopback TCP: the router's PULL socket closes (its process died), and the
+    sender names that router's address, once, and keeps serving the other router."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    lost: queue.SimpleQueue[str] = queue.SimpleQueue()
+    sender = OutputSender(ctx, 100, on_router_lost=lost.put)
+    routers = {}
+    for name in ("a", "b"):
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        routers[name] = (pull, f"tcp://127.0.0.1:{port}")
+    sender.start()
+    try:
+        for pull, address in routers.values():
+            sender.send(address, OutputBatch("e0", 1, [RequestPiece("r", 0, [1])]))
+            assert pull.poll(5000), "no batch arrived"
+            pull.recv_multipart()
+        pull_a, address_a = routers["a"]
+        pull_a.close(linger=0)
+
+        assert lost.get(timeout=5) == address_a
+        pull_b, address_b = routers["b"]
+        sender.send(address_b, OutputBatch("e0", 2, [RequestPiece("r", 1, [2])]))
+        assert pull_b.poll(5000), "the other router gets nothing after the loss"
+        assert lost.empty()
+    finally:
+        sender.stop()
+        routers["b"][0].close(linger=0)
+        ctx.term()

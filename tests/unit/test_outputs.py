@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from shoal_protos.messages import FinishReason, PieceError, RequestPiece
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
 
@@ -244,7 +242,7 @@ async def test_a_held_piece_does_not_wake_the_reader() -> None:
     assert delta.token_ids == [0, 1]
 
 
-def test_reset_for_retry_after_a_retryable_failure() -> None:
+def test_reopen_after_a_retryable_failure() -> None:
     collector = RequestOutputCollector(RID)
     collector.put("e0", piece(3, [3]))  # held; must not survive the retry
     collector.put(
@@ -260,7 +258,7 @@ def test_reset_for_retry_after_a_retryable_failure() -> None:
     assert failed.error is not None
     assert failed.error.retryable
 
-    collector.reset_for_retry()
+    collector.reopen()
 
     assert not collector.finished
     assert collector.get_nowait() is None
@@ -271,19 +269,44 @@ def test_reset_for_retry_after_a_retryable_failure() -> None:
     assert collector.delivered == 3
 
 
-def test_reset_for_retry_drops_an_unread_failure() -> None:
+def test_reopen_drops_an_unread_failure_without_tokens() -> None:
     collector = RequestOutputCollector(RID)
     collector.fail(PieceError("engine_dead", "gone", retryable=True))
-    collector.reset_for_retry()
+    collector.reopen()
     assert collector.get_nowait() is None
     assert not collector.finished
 
 
-def test_reset_for_retry_refuses_once_tokens_were_delivered() -> None:
+def test_reopen_after_tokens_continues_from_the_first_missing_index() -> None:
     collector = RequestOutputCollector(RID)
-    collector.put("e0", piece(0, [0]))
-    with pytest.raises(AssertionError):
-        collector.reset_for_retry()
+    collector.put("e0", piece(0, [10, 11], generation=2))
+    collector.put("e0", piece(4, [14]))  # held: produced by the engine that then died
+    collector.fail(PieceError("engine_lost", "gone", retryable=True), generation=2)
+    assert take(collector).error is not None
+
+    collector.reopen()
+
+    assert collector.token_ids == [10, 11]
+    assert collector.generation == 2
+    collector.put("e0", piece(1, [11, 12], generation=2))  # a late repeat is trimmed
+    collector.put("e1", piece(3, [13, 14], generation=3))
+    delta = take(collector)
+    assert delta.token_ids == [12, 13, 14]
+    assert collector.token_ids == [10, 11, 12, 13, 14]
+    assert collector.generation == 3
+
+
+def test_reopen_keeps_unread_tokens_and_drops_only_the_failure() -> None:
+    collector = RequestOutputCollector(RID)
+    collector.put("e0", piece(0, [0, 1]))
+    collector.fail(PieceError("engine_lost", "gone", retryable=True))
+
+    collector.reopen()
+
+    delta = take(collector)
+    assert delta.token_ids == [0, 1]
+    assert delta.error is None and delta.finish_reason is None
+    assert not collector.finished
 
 
 def test_held_piece_overlapping_the_filled_gap_is_trimmed_and_delivered() -> None:

@@ -80,8 +80,8 @@ class AbortRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class PieceError(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Why a request failed. ``retryable`` means no token was produced and another engine may
-    take the request (for example the engine was draining)."""
+    """Why a request failed. ``retryable`` means another engine may take the request over,
+    continuing after the tokens already delivered (the engine was draining, or died)."""
 
     code: str
     message: str

@@ -35,7 +35,7 @@ from shoal_engine.migration import EngineControlServicer, MigrationError, Migrat
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
-from shoal_protos.messages import PROTOCOL_VERSION
+from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
 
 logger = logging.getLogger("shoal.engine")
@@ -172,10 +172,22 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     logger.info("model loaded in %.1f s (max_model_len=%d)", time.monotonic() - started, info.max_model_len)
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
-    sender = OutputSender(ctx, config.output_hwm)
+    # A router whose link drops is gone: its requests are aborted (on the loop, which owns them).
+    sender = OutputSender(
+        ctx,
+        config.output_hwm,
+        on_router_lost=lambda reply_to: loop.call_soon_threadsafe(service.router_lost, reply_to),
+    )
     service = EngineService(config.engine_id, backend, sender.send, metrics, on_fatal)
+
     zmq_address = f"tcp://{config.host}:{config.zmq_port}"
-    receiver = RequestReceiver(ctx, zmq_address, loop, service.on_request)
+
+    def on_request(message: AddRequest | AbortRequest) -> None:
+        if isinstance(message, AddRequest):
+            sender.connect(message.reply_to)
+        service.on_request(message)
+
+    receiver = RequestReceiver(ctx, zmq_address, loop, on_request)
     sender.start()
     receiver.start()
 

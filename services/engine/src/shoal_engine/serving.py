@@ -191,6 +191,16 @@ class EngineService:
         running.task.cancel()
         return True
 
+    def router_lost(self, reply_to: str) -> int:
+        """Abort every request of the router whose output address is ``reply_to`` (its link
+        dropped: the router died, and its clients with it). Returns how many."""
+        lost = [rid for rid, running in self._running.items() if running.add.reply_to == reply_to]
+        for request_id in lost:
+            self.abort(request_id, f"router at {reply_to} is gone")
+        if lost:
+            logger.warning("router at %s is gone: aborted its %d requests", reply_to, len(lost))
+        return len(lost)
+
     async def stop_for_migration(self, request_id: str, align_s: float = 1.0) -> StoppedRequest | None:
         """Stop a request without a final piece, right after its next output (waiting at most
         ``align_s``): the client's gap then starts at its last token, and the step vLLM still
@@ -302,9 +312,7 @@ class EngineService:
             return ended(FinishReason.ERROR, PieceError("invalid_request", str(exc)))
         if isinstance(exc, BackendDeadError):
             self._on_fatal(exc)
-            return ended(
-                FinishReason.ERROR, PieceError("engine_dead", str(exc), retryable=not running.output_ids)
-            )
+            return ended(FinishReason.ERROR, PieceError("engine_dead", str(exc), retryable=True))
         logger.error("request %s failed", add.request_id, exc_info=exc)
         return ended(FinishReason.ERROR, PieceError("internal_error", f"{type(exc).__name__}: {exc}"))
 

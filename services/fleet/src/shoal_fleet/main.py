@@ -42,7 +42,12 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float16", "float32"],
+        help="engine precision (default: bfloat16; float32 for the tiny model, whose small shapes "
+        "take a bf16 CPU kernel that dies on some AMX CPUs)",
+    )
     parser.add_argument("--run-dir", type=Path, default=Path(".cache/run"))
     parser.add_argument(
         "--compile",
@@ -74,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         engine_kv_base_port=args.engine_base_port + 300,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
-        dtype=args.dtype,
+        dtype=args.dtype or ("float32" if args.model == "tiny" else "bfloat16"),
         restart=not args.no_restart,
         enforce_eager=not args.compile,
     )

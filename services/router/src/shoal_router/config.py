@@ -55,7 +55,8 @@ class RouterConfig(BaseModel):
     """Deadline of each tokenizer call."""
 
     max_dispatch_attempts: int = Field(default=3, ge=1)
-    """Engines tried for one request when an engine refuses it before producing a token."""
+    """Engines that may serve one request: one that refuses it (draining) or dies while serving
+    it hands it to the next, which continues after the tokens already delivered."""
 
     retry_after_s: int = Field(default=1, ge=1)
     """``Retry-After`` of 503 answers when no engine can serve."""

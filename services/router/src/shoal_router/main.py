@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--max-inflight", type=int, default=4096, help="requests running at once")
     parser.add_argument("--max-queued", type=int, default=1024, help="requests waiting (more: 429)")
     parser.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for a slot, seconds")
+    parser.add_argument(
+        "--max-attempts", type=int, default=3, help="engines one request may use (it goes on when one dies)"
+    )
     args = parser.parse_args(argv)
     return RouterConfig(
         models=args.model,
@@ -66,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_inflight_requests=args.max_inflight,
         max_queued_requests=args.max_queued,
         queue_timeout_s=args.queue_timeout,
+        max_dispatch_attempts=args.max_attempts,
     )
 
 

@@ -42,7 +42,16 @@ class RouterMetrics:
             registry=r,
         )
         self.dispatch_retries = Counter(
-            "shoal_router_dispatch_retries", "Requests sent again after an engine refused them.", registry=r
+            "shoal_router_dispatch_retries",
+            "Requests sent to another engine after theirs refused or lost them before a token.",
+            registry=r,
+        )
+        self.resumed = Counter(
+            "shoal_router_resumed_requests",
+            "Requests continued on another engine, after the tokens already delivered, because "
+            "their engine failed (code: engine_lost, engine_dead, engine_draining).",
+            ["model", "code"],
+            registry=r,
         )
         self.engines = Gauge(
             "shoal_router_engines",

@@ -10,6 +10,10 @@ Why threads: the asyncio loop is the one that feeds vLLM and collects its output
 decoding, encoding and sending are kept off it, as vLLM's ``EngineCoreProc`` keeps socket IO off
 its model loop; pyzmq releases the GIL while it waits and copies, so these threads cost the loop
 little. Each socket is touched by exactly one thread (ZeroMQ sockets are not thread-safe).
+
+The sender watches the TCP link of each router's socket: when an established link drops (the
+router process died or closed its socket), ``on_router_lost`` gets the router's address, and
+the engine aborts that router's requests (nothing keeps generating for clients that are gone).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from shoal_protos.messages import (
     AbortRequest,
@@ -99,12 +105,21 @@ class RequestReceiver:
 
 
 class OutputSender:
-    """Encodes and sends output batches, one PUSH socket per router address."""
+    """Encodes and sends output batches, one PUSH socket per router address, and reports a
+    router whose link dropped to ``on_router_lost`` (called on the sender's thread)."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], hwm: int) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        hwm: int,
+        on_router_lost: Callable[[str], None] | None = None,
+    ) -> None:
         self._ctx = ctx
         self._hwm = hwm
-        self._queue: queue.SimpleQueue[tuple[str, OutputBatch] | object] = queue.SimpleQueue()
+        self._on_router_lost = on_router_lost
+        self._monitors: dict[zmq.Socket[bytes], str] = {}
+        self._poller = zmq.Poller()
+        self._queue: queue.SimpleQueue[tuple[str, OutputBatch | None] | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="shoal-zmq-out", daemon=True)
 
     def start(self) -> None:
@@ -113,6 +128,11 @@ class OutputSender:
     def send(self, reply_to: str, batch: OutputBatch) -> None:
         """Queue a batch; called from the event loop, returns at once."""
         self._queue.put((reply_to, batch))
+
+    def connect(self, reply_to: str) -> None:
+        """Open (and watch) the socket to a router before its first batch: a router that dies
+        while its requests wait for their first token is noticed too. Returns at once."""
+        self._queue.put((reply_to, None))
 
     def stop(self) -> None:
         """Send what is queued, then close the sockets."""
@@ -123,9 +143,18 @@ class OutputSender:
         encoder = msgspec.msgpack.Encoder()
         sockets: dict[str, zmq.Socket[bytes]] = {}
         outputs_tag = FrameType.OUTPUTS.value
+        links_checked = time.monotonic()
         try:
             while True:
-                item = self._queue.get()
+                try:
+                    item = self._queue.get(timeout=_POLL_MS / 1000)
+                except queue.Empty:
+                    item = None
+                if self._monitors and time.monotonic() - links_checked >= _POLL_MS / 1000:
+                    self._check_links()
+                    links_checked = time.monotonic()
+                if item is None:
+                    continue
                 if item is _STOP:
                     return
                 assert isinstance(item, tuple)
@@ -144,8 +173,31 @@ class OutputSender:
                         logger.warning("dropping output for %r: cannot connect: %s", reply_to, exc)
                         continue
                     sockets[reply_to] = sock
+                    self._watch(sock, reply_to)
                     logger.info("connected output socket to router %s", reply_to)
-                sock.send_multipart((outputs_tag, encoder.encode(batch)), copy=False)
+                if batch is not None:
+                    sock.send_multipart((outputs_tag, encoder.encode(batch)), copy=False)
         finally:
+            for monitor in self._monitors:
+                monitor.close(linger=0)
             for sock in sockets.values():
                 sock.close()
+
+    def _watch(self, sock: zmq.Socket[bytes], reply_to: str) -> None:
+        if self._on_router_lost is None:
+            return
+        address = f"inproc://router-link-{id(self)}-{len(self._monitors)}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = self._ctx.socket(zmq.PAIR)
+        monitor.connect(address)
+        self._monitors[monitor] = reply_to
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _check_links(self) -> None:
+        assert self._on_router_lost is not None
+        for monitor, _ in self._poller.poll(0):
+            reply_to = self._monitors[monitor]
+            event = parse_monitor_message(monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                logger.warning("lost the link to router %s", reply_to)
+                self._on_router_lost(reply_to)

@@ -2,9 +2,14 @@
 
 ``Generation.start`` checks the model and the context length, picks an engine and sends the ADD
 before any byte of the response is written, so every error known up front gets its own HTTP
-status. ``GenerationHandle.deltas`` then yields the request's output; an engine that refuses the
-request before its first token (it is draining, or died) is replaced by another one. Leaving
-the iteration early (the client went away) aborts the request on its engine.
+status. ``GenerationHandle.deltas`` then yields the request's output. An engine that refuses
+the request (it is draining) or dies while serving it (its link dropped, its heartbeat lapsed,
+its vLLM core died) is replaced by another one, which continues the request after the tokens
+the client already has: the prompt plus those tokens go to it as a resumed request, whose
+pieces start at the next index, so the stream goes on with every token exactly once. At most
+``max_attempts`` engines serve one request; past that, or with no engine left, the stream ends
+with an error event. Leaving the iteration early (the client went away) aborts the request on
+its engine.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from shoal_protos.messages import AddRequest, FinishReason, SamplingOptions
+from shoal_protos.messages import AddRequest, FinishReason, PieceError, SamplingOptions
 from shoal_router.core.admission import Admission
 from shoal_router.core.dispatch import LEAST_LOAD, EngineView, pick_least_loaded
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
@@ -23,6 +28,7 @@ from shoal_router.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NoEngineError,
+    RouterError,
 )
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
@@ -138,7 +144,8 @@ class GenerationHandle:
         add.request_id = request_id
         self.collector = RequestOutputCollector(request_id)
         self.arrived = time.monotonic()
-        self._tried: set[str] = set()
+        self._attempts = 0
+        self._failed: set[str] = set()  # engines that refused or lost this request
         self._view: EngineView | None = None
         self._closed = False
         self._first_token_at: float | None = None
@@ -157,13 +164,13 @@ class GenerationHandle:
 
     def dispatch(self) -> None:
         gen = self._gen
-        view = gen.pick(self.model, self._tried)
+        view = gen.pick(self.model, self._failed)
         gen.engines.add(view.engine_id, self._add, self.collector)
-        self._tried.add(view.engine_id)
+        self._attempts += 1
         self._view = view
         view.inflight += 1
         view.sent_since_report += 1
-        if len(self._tried) == 1:
+        if self._attempts == 1:
             gen.inflight += 1
             gen.metrics.inflight.set(gen.inflight)
             gen.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
@@ -183,17 +190,15 @@ class GenerationHandle:
             while True:
                 delta = await self.collector.get()
                 error = delta.error
-                if (
-                    error is not None
-                    and error.retryable
-                    and self.collector.delivered == 0
-                    and len(self._tried) < gen.max_attempts
-                ):
-                    self._leave_engine()
-                    gen.engines.release(self.request_id)
-                    self.collector.reset_for_retry()
-                    gen.metrics.dispatch_retries.inc()
-                    self.dispatch()
+                if error is not None and error.retryable and self._attempts < gen.max_attempts:
+                    if delta.token_ids:
+                        # What the engine produced before it failed goes out first.
+                        tokens_first = RequestDelta(
+                            token_ids=delta.token_ids, text=delta.text, engine_id=delta.engine_id
+                        )
+                        self._observe(tokens_first)
+                        yield tokens_first
+                    self._continue_elsewhere(error)
                     continue
                 self._observe(delta)
                 if delta.finished:
@@ -212,6 +217,32 @@ class GenerationHandle:
                 yield delta
         finally:
             self.close()
+
+    def _continue_elsewhere(self, error: PieceError) -> None:
+        """Send the request to another engine, continuing after the delivered tokens."""
+        gen = self._gen
+        collector = self.collector
+        if self._view is not None:
+            self._failed.add(self._view.engine_id)
+        self._leave_engine()
+        gen.engines.release(self.request_id)
+        collector.reopen()
+        self._add.output_token_ids = list(collector.token_ids)
+        # A generation above any the request had: late pieces of the failed engine are ignored.
+        self._add.generation = collector.generation + 1
+        # The new engine's first tokens are not a migration (for the metrics).
+        self._last_engine = ""
+        try:
+            self.dispatch()
+        except RouterError as exc:
+            if not collector.delivered:
+                raise  # nothing was sent yet: the client gets the error's own status
+            message = f"{error.message}; no other engine could continue it: {exc.message}"
+            raise EngineFailedError(message, code=error.code) from exc
+        if collector.delivered:
+            gen.metrics.resumed.labels(self.model, error.code).inc()
+        else:
+            gen.metrics.dispatch_retries.inc()
 
     def _observe(self, delta: RequestDelta) -> None:
         if not delta.token_ids:

@@ -11,6 +11,10 @@ engine. Pieces carry the index of their first output token, so the collector:
 The reader (the HTTP handler) takes everything that arrived since its last read in one go, so a
 slow client gets bigger chunks instead of an ever longer queue: the mailbox has one slot, as
 vLLM's ``RequestOutputCollector`` does.
+
+The collector also keeps the token ids it delivered and the newest ownership generation it saw:
+when the request's engine dies, they are what another engine needs to continue the request
+(``reopen`` then readies the collector for the new engine's pieces).
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ class RequestOutputCollector:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.delivered = 0
+        # The delivered output token ids (``len(token_ids) == delivered``).
+        self.token_ids: list[int] = []
+        # The newest ownership generation among the accepted pieces.
+        self.generation = 0
         self.finished = False
         self._pending: RequestDelta | None = None
         self._held: dict[int, tuple[str, RequestPiece]] = {}
@@ -71,13 +79,20 @@ class RequestOutputCollector:
                 continue  # every token of it arrived in the meantime
             self._accept(engine_id, piece, self.delivered - start)
 
-    def fail(self, error: PieceError) -> None:
-        """End the request with an error from the router's side (for example its engine died)."""
+    def fail(self, error: PieceError, generation: int = 0) -> None:
+        """End the request with an error from the router's side (for example its engine died
+        while serving it under ownership ``generation``)."""
         if self.finished:
             return
         self._accept(
             "",
-            RequestPiece(self.request_id, self.delivered, finish_reason=FinishReason.ERROR, error=error),
+            RequestPiece(
+                self.request_id,
+                self.delivered,
+                finish_reason=FinishReason.ERROR,
+                error=error,
+                generation=generation,
+            ),
             0,
         )
 
@@ -87,6 +102,8 @@ class RequestOutputCollector:
             pending = self._pending = RequestDelta()
         tokens = piece.token_ids[overlap:] if overlap else piece.token_ids
         pending.token_ids.extend(tokens)
+        self.token_ids.extend(tokens)
+        self.generation = max(self.generation, piece.generation)
         # Text of a partly repeated piece cannot be split by token, so the piece's text is kept
         # only when none of its tokens were delivered before.
         if not overlap:
@@ -113,10 +130,15 @@ class RequestOutputCollector:
         assert delta is not None
         return delta
 
-    def reset_for_retry(self) -> None:
-        """Forget a retryable failure that produced no token, so another engine can take over."""
-        assert self.delivered == 0, "only requests that produced nothing can be retried"
+    def reopen(self) -> None:
+        """Forget the failure that ended the request, so another engine can continue it after
+        the delivered tokens (its pieces start at index ``delivered``). Held pieces of the
+        failed engine are dropped; unread tokens stay for the reader, without the failure."""
         self.finished = False
-        self._pending = None
         self._held.clear()
-        self._ready.clear()
+        pending = self._pending
+        if pending is not None and pending.token_ids:
+            pending.finish_reason = pending.stop_reason = pending.error = None
+        else:
+            self._pending = None
+            self._ready.clear()

@@ -14,8 +14,9 @@ loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the 
 answered 503 instead of being queued without bound.
 
 Each engine socket is monitored: when its TCP link drops (the engine process died or closed),
-the engine's requests end with an error at once and ``on_link`` takes it out of dispatch until
-the link comes back; the Redis heartbeat is the slower backstop for engines that hang.
+the engine's requests fail at once with ``engine_lost`` (their handlers continue them on another
+engine) and ``on_link`` takes it out of dispatch until the link comes back; the Redis heartbeat
+is the slower backstop for engines that hang.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class EngineClient:
                 f"engine {engine_id} is not taking requests fast enough; retry later",
                 code="engine_overloaded",
             ) from None
-        self._requests[request.request_id] = _Tracked(collector, engine_id)
+        self._requests[request.request_id] = _Tracked(collector, engine_id, request.generation)
 
     def abort(self, request_id: str, reason: str) -> None:
         tracked = self._requests.pop(request_id, None)
@@ -191,16 +192,14 @@ class EngineClient:
         return self.fail_requests(engine_id, reason)
 
     def fail_requests(self, engine_id: str, reason: str) -> int:
-        """End every request running on ``engine_id`` with an error. Returns how many."""
+        """Fail every request running on ``engine_id`` with ``engine_lost`` (its handler may
+        continue it elsewhere). Returns how many."""
         lost = [rid for rid, t in self._requests.items() if t.engine_id == engine_id]
         for request_id in lost:
             tracked = self._requests.pop(request_id)
             tracked.collector.fail(
-                PieceError(
-                    "engine_lost",
-                    f"engine {engine_id} {reason} while generating this request",
-                    retryable=tracked.collector.delivered == 0,
-                )
+                PieceError("engine_lost", f"engine {engine_id} {reason} while serving it", retryable=True),
+                tracked.generation,
             )
         return len(lost)
 
