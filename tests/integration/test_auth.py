@@ -27,7 +27,7 @@ def _line(name: str, key: str) -> str:
 @pytest.fixture
 def keyed_router(tiny_fleet: RunningFleet, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     api_keys, admin_keys = tmp_path / "api-keys", tmp_path / "admin-keys"
-    api_keys.write_text(_line("team-a", "sk-team-a"))
+    api_keys.write_text(_line("team-a", "sk-team-a") + _line("team-b", "sk-team-b").strip() + " rpm=2\n")
     admin_keys.write_text(_line("ops", "sk-ops"))
     keys = ("--api-keys-file", str(api_keys), "--admin-keys-file", str(admin_keys))
     with extra_router(tiny_fleet, "router-keys", tmp_path, *keys) as (url, _):
@@ -75,3 +75,22 @@ def test_api_keys_guard_the_api_and_the_admin_endpoints(
         return old.status_code == 401 and new.status_code == 200
 
     wait_until(rotated, 15, "the rotated key to take effect", every_s=0.2)
+
+
+def test_a_key_over_its_rate_limit_gets_429_with_retry_after(
+    tiny_fleet: RunningFleet, keyed_router: tuple[str, Path]
+) -> None:
+    url, _ = keyed_router
+    limited = openai.OpenAI(base_url=url + "/v1", api_key="sk-team-b", max_retries=0, timeout=60)
+    other = openai.OpenAI(base_url=url + "/v1", api_key="sk-team-a", max_retries=0, timeout=60)
+    for _ in range(2):
+        limited.completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as refused:
+        limited.completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)
+    assert refused.value.code == "rate_limit_exceeded"
+    assert "team-b" in refused.value.message
+    # rpm=2 refills one request every 30 s; the machine may have spent some of that already.
+    assert 1 <= int(refused.value.response.headers["retry-after"]) <= 30
+    other.completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)  # its own bucket
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-ops"}, timeout=10).text
+    assert 'shoal_router_rate_limited_total{key="team-b"} 1.0' in metrics

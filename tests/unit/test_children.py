@@ -95,9 +95,11 @@ def test_engines_follow_the_spec() -> None:
     assert args[args.index("--drain-timeout") + 1] == str(cluster.spec.drain.deadline_seconds)
     assert args[args.index("--cluster") + 1] == "serving.smol"
     assert "--migration" in args
-    # The preStop hook drains by migration before SIGTERM, on the engine's own HTTP port.
-    hook = container["lifecycle"]["preStop"]["httpGet"]
-    assert (hook["path"], hook["port"]) == ("/drain", args_port(args, "--http-port"))
+    # The preStop hook drains by migration before SIGTERM, from inside the pod, on the engine's
+    # own HTTP port.
+    hook = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook[0] == "shoal-engine-prestop"
+    assert int(hook[hook.index("--port") + 1]) == args_port(args, "--http-port")
     env = env_of(container)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert env["REDIS_URL"] == "redis://smol-redis:6379/0"

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from shoal_protos.messages import (
     PROTOCOL_VERSION,
+    AbortRequest,
     AddRequest,
     EngineRequestDecoder,
     FinishReason,
@@ -259,3 +260,30 @@ async def _until(condition: object, timeout_s: float = 5.0) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+async def test_an_engine_lost_by_its_heartbeat_is_told_to_abort_what_goes_on_elsewhere(
+    setup: tuple[Generation, dict[str, PlayedEngine]],
+) -> None:
+    """A stalled engine may wake up: it gets an ABORT for the requests another engine continues."""
+    generation, played = setup
+    handle = await start(generation, "e0")
+    add = await played["e0"].next_add()
+    await played["e0"].send(add.reply_to, RequestPiece(handle.request_id, 0, [10], "a"))
+    got: list[RequestDelta] = []
+    reader = asyncio.create_task(read_all(handle.deltas(), got))
+    await _until(lambda: len(got) == 1)
+
+    generation.engines.engine_lost("e0", "stopped heartbeating")
+
+    frames = await asyncio.wait_for(played["e0"].pull.recv_multipart(), timeout=5)
+    abort = EngineRequestDecoder().decode(frames[0], frames[1])
+    assert isinstance(abort, AbortRequest) and abort.request_ids == [handle.request_id]
+    resumed = await played["e1"].next_add()
+    assert resumed.output_token_ids == [10]
+    await played["e1"].send(
+        resumed.reply_to,
+        RequestPiece(handle.request_id, 1, [11], "b", finish_reason=FinishReason.STOP, generation=1),
+    )
+    await asyncio.wait_for(reader, timeout=5)
+    assert [t for delta in got for t in delta.token_ids] == [10, 11]

@@ -232,8 +232,11 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
         "readinessProbe": _http_probe(ENGINE_HTTP_PORT),
         "livenessProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 6},
         # Before SIGTERM: leave the rotation and migrate every request away, answering once
-        # empty or at the drain deadline (the grace period covers it).
-        "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": ENGINE_HTTP_PORT}}},
+        # empty or at the drain deadline (the grace period covers it). An exec hook, so the call
+        # comes from inside the pod: the engine refuses /drain from anywhere else.
+        "lifecycle": {
+            "preStop": {"exec": {"command": ["shoal-engine-prestop", "--port", str(ENGINE_HTTP_PORT)]}}
+        },
         "securityContext": _container_security(read_only_root=False),
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
     }

@@ -128,6 +128,13 @@ class Keys:
     def migrations(self) -> str:
         return self.prefix + "migrations"
 
+    @property
+    def epoch(self) -> str:
+        """Set (without expiry) by every router poll that finds it missing: its absence means
+        Redis lost its data (a restart without persistence), so every engine record vanished at
+        once, and routers give engines time to register again instead of dropping them."""
+        return self.prefix + "epoch"
+
 
 json_encoder = msgspec.json.Encoder()
 engine_record_decoder = msgspec.json.Decoder(EngineRecord)

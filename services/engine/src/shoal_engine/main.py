@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import grpc
 import redis.asyncio as aioredis
 import uvicorn
 import zmq
-from fastapi import FastAPI, Query, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -100,6 +101,15 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     )
 
 
+def _same_host(peer: str, own_address: str) -> bool:
+    """Whether a peer address is this host: loopback, or the address the engine serves on."""
+    try:
+        ip = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return ip.is_loopback or peer == own_address
+
+
 class _HttpServer(uvicorn.Server):
     """uvicorn that leaves signals to ``run``: SIGTERM must drain before HTTP stops."""
 
@@ -114,6 +124,7 @@ def build_http_app(
     metrics: EngineMetrics,
     migrations: MigrationManager | None = None,
     drain_deadline_s: float = 0.0,
+    own_address: str = "127.0.0.1",
 ) -> FastAPI:
     app = FastAPI(title="Shoal engine", docs_url=None, redoc_url=None)
 
@@ -121,12 +132,29 @@ def build_http_app(
 
         @app.get("/drain")
         async def drain_for_removal(
+            request: Request,
             rejoin_after_s: Annotated[float, Query(ge=0, le=3600)] = 0.0,
         ) -> Response:
             """The pod's preStop hook: leave the rotation and move every running request to
             other engines, answering once the engine is empty or the drain deadline passed.
             SIGTERM follows and finds nothing left to move. ``rejoin_after_s`` > 0 serves again
-            after that long if no shutdown came."""
+            after that long if no shutdown came.
+
+            Only callers inside the engine's own pod may drain it (the hook runs there and calls
+            the pod's own address); the port is open to the cluster for metrics, and anyone
+            else gets 403. Operators and other engines drain through the gRPC control API."""
+            peer = request.client.host if request.client else ""
+            if not _same_host(peer, own_address):
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "only the engine's own pod may call /drain",
+                            "type": "permission_error",
+                            "code": "forbidden",
+                        }
+                    },
+                    status_code=403,
+                )
             try:
                 result = await migrations.drain_for_removal(drain_deadline_s, rejoin_after_s)
             except MigrationError as exc:
@@ -244,7 +272,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         await control.start()
     http = _HttpServer(
         uvicorn.Config(
-            build_http_app(service, backend, metrics, migrations, config.drain_timeout_s),
+            build_http_app(service, backend, metrics, migrations, config.drain_timeout_s, config.host),
             host=config.host,
             port=config.http_port,
             log_level="warning",

@@ -350,6 +350,13 @@ class Fleet:
             if info["statename"] == "RUNNING"
         }
 
+    def restart(self, program: str) -> None:
+        """Stop one program (SIGTERM, as supervisord does) and start it again; returns once it
+        runs (for tests and the chaos run: a Redis restart, an engine brought back)."""
+        rpc = self._rpc().supervisor
+        rpc.stopProcess(program)
+        rpc.startProcess(program)
+
     def _check_program(self, program: str) -> None:
         """Fail at once when a program gave up (FATAL) or exited and will not be restarted."""
         try:

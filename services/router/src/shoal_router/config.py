@@ -36,6 +36,10 @@ class RouterConfig(BaseModel):
     zmq_port: int = Field(default=5700, ge=1, le=65535)
     """Port of the PULL socket where engines send outputs."""
 
+    redis_restart_grace_s: float = Field(default=10.0, ge=0.0)
+    """After Redis restarts empty, how long engines whose records vanished keep serving while
+    they register again (a missing record otherwise means the engine died)."""
+
     fleet_poll_interval_s: float = Field(default=0.1, gt=0.0, le=5.0)
     """How often the engine registry and load reports are read from Redis."""
 
@@ -63,6 +67,13 @@ class RouterConfig(BaseModel):
 
     api_keys_file: str | None = None
     """Keys file (``NAME SHA256_HEX`` per line) guarding ``/v1/*``; None: no auth."""
+
+    key_requests_per_minute: int = Field(default=0, ge=0)
+    """Requests per minute per API key, for keys whose line sets no ``rpm=`` (0: no limit)."""
+
+    key_tokens_per_minute: int = Field(default=0, ge=0)
+    """Prompt plus output tokens per minute per API key, for keys whose line sets no ``tpm=``
+    (0: no limit)."""
 
     admin_keys_file: str | None = None
     """Keys file guarding ``/metrics`` and the fleet page; None: open."""

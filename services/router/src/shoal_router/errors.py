@@ -73,6 +73,11 @@ class TooManyRequestsError(RouterError):
     status_code = 429
     error_type = "rate_limit_error"
 
+    def __init__(self, message: str, *, code: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message, code=code)
+        # Seconds the client should wait (the ``Retry-After`` header); None: the router's default.
+        self.retry_after_s = retry_after_s
+
 
 class ServiceUnavailableError(RouterError):
     status_code = 503

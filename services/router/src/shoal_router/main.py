@@ -24,6 +24,7 @@ from shoal_router.api.app import create_app
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
+from shoal_router.core.ratelimit import Limits, RateLimiter
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
 from shoal_router.ipc.tokenizing import TokenizerClient
@@ -54,6 +55,18 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument(
         "--max-attempts", type=int, default=3, help="engines one request may use (it goes on when one dies)"
     )
+    parser.add_argument(
+        "--key-rpm", type=int, default=0, help="requests per minute per API key (0: none; rpm= in the file)"
+    )
+    parser.add_argument(
+        "--key-tpm", type=int, default=0, help="tokens per minute per API key (0: none; tpm= in the file)"
+    )
+    parser.add_argument(
+        "--redis-restart-grace",
+        type=float,
+        default=10.0,
+        help="seconds engines get to register again after Redis restarts empty",
+    )
     args = parser.parse_args(argv)
     return RouterConfig(
         models=args.model,
@@ -70,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_queued_requests=args.max_queued,
         queue_timeout_s=args.queue_timeout,
         max_dispatch_attempts=args.max_attempts,
+        redis_restart_grace_s=args.redis_restart_grace,
+        key_requests_per_minute=args.key_rpm,
+        key_tokens_per_minute=args.key_tpm,
     )
 
 
@@ -96,13 +112,14 @@ def build_app(config: RouterConfig) -> FastAPI:
     def engine_lost(engine_id: str, reason: str) -> None:
         failed = engines.engine_lost(engine_id, reason)
         if failed:
-            logger.warning("engine %s %s: %d requests on it end with an error", engine_id, reason, failed)
+            logger.warning("engine %s %s: its %d requests go on elsewhere", engine_id, reason, failed)
 
     fleet = FleetView(
         redis_client,
         Keys(config.cluster),
         on_engine_added=lambda record: engines.connect(record.engine_id, record.zmq_address),
         on_engine_lost=engine_lost,
+        restart_grace_s=config.redis_restart_grace_s,
     )
     tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
     generation = Generation(
@@ -148,6 +165,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         lifespan=lifespan,
         api_keys=KeyFile(config.api_keys_file) if config.api_keys_file else None,
         admin_keys=KeyFile(config.admin_keys_file) if config.admin_keys_file else None,
+        rate_limiter=RateLimiter(Limits(config.key_requests_per_minute, config.key_tokens_per_minute)),
     )
 
 

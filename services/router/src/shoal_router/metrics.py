@@ -46,6 +46,12 @@ class RouterMetrics:
             "Requests sent to another engine after theirs refused or lost them before a token.",
             registry=r,
         )
+        self.rate_limited = Counter(
+            "shoal_router_rate_limited",
+            "Requests refused (429) because their API key is over its rate limits.",
+            ["key"],
+            registry=r,
+        )
         self.resumed = Counter(
             "shoal_router_resumed_requests",
             "Requests continued on another engine, after the tokens already delivered, because "

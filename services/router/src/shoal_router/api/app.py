@@ -8,6 +8,7 @@ becomes a final SSE event with the same JSON (the ``openai`` client raises it as
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -16,7 +17,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,6 +27,7 @@ from shoal_router.api.fleet_page import PAGE, fleet_state
 from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
+from shoal_router.core.ratelimit import ApiKey, RateLimiter
 from shoal_router.errors import RouterError, ServiceUnavailableError, TooManyRequestsError
 from shoal_router.ipc.tokenizing import TokenizerClient
 
@@ -39,7 +42,8 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def error_response(exc: RouterError, retry_after_s: int = 1) -> JSONResponse:
     busy = isinstance(exc, ServiceUnavailableError | TooManyRequestsError)
-    headers = {"Retry-After": str(retry_after_s)} if busy else None
+    wait_s = getattr(exc, "retry_after_s", None) if isinstance(exc, TooManyRequestsError) else None
+    headers = {"Retry-After": str(wait_s or retry_after_s)} if busy else None
     return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
 
 
@@ -77,6 +81,74 @@ def _usage(handle: GenerationHandle) -> dict[str, int]:
 
 
 _ADMIN_PATHS = frozenset({"/metrics", "/fleet", "/fleet/state"})
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+        }
+    },
+}
+_ERRORS = {
+    400: "Invalid request: malformed JSON, a bad or unsupported field (named in `param`), or a "
+    "prompt plus `max_tokens` over the model's context",
+    401: "Missing or unknown API key (when the router has a keys file)",
+    404: "Unknown model",
+    429: "The router is full, or the API key is over its rate limit (see `Retry-After`)",
+    502: "The engine failed the request before its first token and no other engine could take it",
+    503: "No engine serves the model right now, or the tokenizer is unreachable (see `Retry-After`)",
+}
+_GENERATION_ERRORS = (400, 401, 404, 429, 502, 503)
+
+
+def _openapi_document(app: FastAPI, keys_on: bool) -> dict[str, Any]:
+    """FastAPI's document with the router's real error answers: OpenAI error JSON for each
+    status a route can give (and no 422: invalid bodies are 400s), SSE for streamed answers,
+    and bearer auth where keys are on."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    schemas["Error"] = _ERROR_SCHEMA
+    error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    if keys_on:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                statuses: tuple[int, ...] = _GENERATION_ERRORS
+                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            elif path.startswith("/v1/") or path in _ADMIN_PATHS:
+                statuses = (401,)
+            else:
+                statuses = ()
+            if path == "/health":
+                responses["503"] = {
+                    "description": "No engine can take requests (same body as 200)",
+                    "content": responses["200"]["content"],
+                }
+            for status in statuses:
+                responses[str(status)] = {"description": _ERRORS[status], "content": error_content}
+            if keys_on and path.startswith("/v1/"):
+                operation["security"] = [{"bearer": []}]
+    app.openapi_schema = document
+    return document
+
+
 _Next = Callable[[Request], Awaitable[Response]]
 
 
@@ -87,8 +159,10 @@ def create_app(
     lifespan: Callable[[FastAPI], Any] | None = None,
     api_keys: KeyFile | None = None,
     admin_keys: KeyFile | None = None,
+    rate_limiter: RateLimiter | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Shoal router", version="0.1.0", lifespan=lifespan)
+    app.openapi = functools.partial(_openapi_document, app, api_keys is not None)  # type: ignore[method-assign]
     metrics = generation.metrics
 
     @app.middleware("http")
@@ -97,7 +171,10 @@ def create_app(
     ) -> Response:
         path = request.url.path
         keys = api_keys if path.startswith("/v1/") else admin_keys if path in _ADMIN_PATHS else None
-        if keys is not None and keys.identify(request.headers.get("authorization")) is None:
+        if keys is None:
+            return await call_next(request)
+        caller = keys.identify(request.headers.get("authorization"))
+        if caller is None:
             body = {
                 "error": {
                     "message": "missing or unknown API key (send Authorization: Bearer <key>)",
@@ -107,6 +184,7 @@ def create_app(
                 }
             }
             return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        request.state.api_key = caller
         return await call_next(request)
 
     @app.exception_handler(RouterError)
@@ -141,7 +219,9 @@ def create_app(
             "models": generation.served_models(),
             "inflight": generation.inflight,
         }
-        ready = generation.fleet.redis_ok and any(view.dispatchable for view in engines.values())
+        # Ready while some engine can serve, even if Redis is down: dispatch goes on from the
+        # last fleet state read (and this router's own counts) until Redis is back.
+        ready = any(view.dispatchable for view in engines.values())
         if not ready:
             body["status"] = "unavailable"
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -155,7 +235,7 @@ def create_app(
         """Engines, this router's requests in flight and recent migrations (the fleet page's data)."""
         return JSONResponse(await fleet_state(generation.router_id, generation.fleet, generation.engines))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         metrics.set_fleet(generation.fleet.engines.values())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -210,7 +290,16 @@ def create_app(
             stop=body.stop_list(),
             ignore_eos=body.ignore_eos,
         )
-        handle = await generation.start(body.model, prompt_ids, sampling)
+        caller: ApiKey | None = getattr(request.state, "api_key", None)
+        charge = None
+        if caller is not None and rate_limiter is not None:
+            try:
+                rate_limiter.admit(caller, len(prompt_ids))
+            except TooManyRequestsError:
+                metrics.rate_limited.labels(caller.name).inc()
+                raise
+            charge = functools.partial(rate_limiter.charge, caller)
+        handle = await generation.start(body.model, prompt_ids, sampling, on_close=charge)
         deltas = handle.deltas()
         # Wait for the first output before answering, so that an engine refusing the request
         # still gets an HTTP status of its own rather than an error event in a 200 stream.

@@ -1,10 +1,12 @@
 """API keys: bearer auth on the OpenAI API, and separately on ``/metrics`` and the fleet page.
 
 Keys are never stored: a keys file holds one line per key, ``NAME SHA256_HEX`` (the SHA-256 of
-the key, hex), with ``#`` comments. A request's ``Authorization: Bearer <key>`` is hashed and
-looked up; the name it maps to is the caller's identity. The file is read again when it changes
-(a Kubernetes Secret mounted as a file is updated in place), and a file that cannot be read or
-parsed keeps the last good set of keys (and says so in the log). Make a line with
+the key, hex), optionally followed by the key's own rate limits ``rpm=N`` (requests per minute)
+and ``tpm=N`` (prompt plus output tokens per minute), with ``#`` comments. A request's
+``Authorization: Bearer <key>`` is hashed and looked up; the name it maps to is the caller's
+identity. The file is read again when it changes (a Kubernetes Secret mounted as a file is
+updated in place), and a file that cannot be read or parsed keeps the last good set of keys (and
+says so in the log). Make a line with
 
     python -m shoal_router.api.auth NAME < key-file      # prints "NAME <sha256 of the key>"
 """
@@ -18,26 +20,38 @@ import sys
 import time
 from pathlib import Path
 
+from shoal_router.core.ratelimit import ApiKey
+
 logger = logging.getLogger(__name__)
 
-_LINE = re.compile(r"(?P<name>[A-Za-z0-9_.@:\-]{1,128})\s+(?P<digest>[0-9a-f]{64})")
+_LINE = re.compile(
+    r"(?P<name>[A-Za-z0-9_.@:\-]{1,128})\s+(?P<digest>[0-9a-f]{64})"
+    r"(?P<limits>(?:\s+(?:rpm|tpm)=[0-9]{1,12})*)"
+)
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def parse_keys(text: str) -> dict[str, str]:
-    """``{sha256 hex: name}`` from a keys file; ValueError naming the first bad line."""
-    keys: dict[str, str] = {}
+def parse_keys(text: str) -> dict[str, ApiKey]:
+    """``{sha256 hex: ApiKey}`` from a keys file; ValueError naming the first bad line."""
+    keys: dict[str, ApiKey] = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         match = _LINE.fullmatch(line)
         if match is None:
-            raise ValueError(f"line {number}: want NAME SHA256_HEX (64 lowercase hex digits)")
-        keys[match["digest"]] = match["name"]
+            raise ValueError(
+                f"line {number}: want NAME SHA256_HEX (64 lowercase hex digits), then optionally rpm=N tpm=N"
+            )
+        limits = dict(part.split("=") for part in match["limits"].split())
+        keys[match["digest"]] = ApiKey(
+            match["name"],
+            int(limits["rpm"]) if "rpm" in limits else None,
+            int(limits["tpm"]) if "tpm" in limits else None,
+        )
     return keys
 
 
@@ -55,7 +69,7 @@ class KeyFile:
     def __init__(self, path: Path | str, recheck_s: float = 1.0) -> None:
         self.path = Path(path)
         self._recheck_s = recheck_s
-        self._keys: dict[str, str] = {}
+        self._keys: dict[str, ApiKey] = {}
         self._stamp: tuple[int, int] | None = None
         self._checked = 0.0
         self._load(initial=True)
@@ -74,8 +88,8 @@ class KeyFile:
                 raise ValueError(f"cannot read API keys from {self.path}: {exc}") from exc
             logger.warning("keeping the last API keys: cannot read %s: %s", self.path, exc)
 
-    def identify(self, authorization: str | None) -> str | None:
-        """The name of the key in an ``Authorization`` header, or None if it is not one."""
+    def identify(self, authorization: str | None) -> ApiKey | None:
+        """The key in an ``Authorization`` header, or None if it is not one."""
         now = time.monotonic()
         if now - self._checked >= self._recheck_s:
             self._checked = now

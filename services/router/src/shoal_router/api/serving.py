@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from shoal_protos.messages import AddRequest, FinishReason, PieceError, SamplingOptions
 from shoal_router.core.admission import Admission
@@ -103,10 +103,15 @@ class Generation:
         )
 
     async def start(
-        self, model: str, prompt_token_ids: list[int], sampling: SamplingOptions
+        self,
+        model: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        on_close: Callable[[int], None] | None = None,
     ) -> GenerationHandle:
         """Admit the request (waiting in line for a slot if the router is full) and send it to
-        an engine; the handle gives the slot back when it closes."""
+        an engine; the handle gives the slot back when it closes, and calls ``on_close`` with
+        the output tokens it delivered."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         self.metrics.queued.inc()
@@ -120,6 +125,7 @@ class Generation:
                 model,
                 f"{self._router_id}-{uuid.uuid4().hex}",
                 AddRequest("", prompt_token_ids, sampling, self.engines.reply_to),
+                on_close,
             )
             handle.dispatch()
         except BaseException:
@@ -136,8 +142,16 @@ class Generation:
 
 
 class GenerationHandle:
-    def __init__(self, generation: Generation, model: str, request_id: str, add: AddRequest) -> None:
+    def __init__(
+        self,
+        generation: Generation,
+        model: str,
+        request_id: str,
+        add: AddRequest,
+        on_close: Callable[[int], None] | None = None,
+    ) -> None:
         self._gen = generation
+        self._on_close = on_close
         self.model = model
         self.request_id = request_id
         self._add = add
@@ -296,3 +310,5 @@ class GenerationHandle:
         gen.inflight -= 1
         gen.metrics.inflight.set(gen.inflight)
         gen.admission.leave()
+        if self._on_close is not None:
+            self._on_close(self.collector.delivered)

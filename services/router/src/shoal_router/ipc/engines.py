@@ -22,6 +22,7 @@ is the slower backstop for engines that hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from shoal_router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 _CHUNK = 256
+# How long a closing engine socket may still deliver queued ABORTs, in ms.
+_ABORT_LINGER_MS = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +145,7 @@ class EngineClient:
                 if not up:
                     failed = self.fail_requests(engine_id, "dropped its connection")
                     logger.warning(
-                        "lost the link to engine %s; %d requests on it end with an error", engine_id, failed
+                        "lost the link to engine %s; its %d requests go on elsewhere", engine_id, failed
                     )
                 self._on_link(engine_id, up)
         finally:
@@ -182,13 +185,22 @@ class EngineClient:
         return tracked.engine_id if tracked else None
 
     def engine_lost(self, engine_id: str, reason: str) -> int:
-        """Fail every request on a dead engine and drop its socket. Returns how many failed."""
+        """Fail every request on a lost engine and drop its socket. Returns how many failed.
+
+        An engine lost by its heartbeat may only be stalled: its requests are aborted there
+        first (the frames leave within the socket's linger if the engine still reads), so it
+        does not keep generating what another engine now continues."""
         monitor = self._monitors.pop(engine_id, None)
         if monitor is not None:
             monitor.cancel()
         sock = self._sockets.pop(engine_id, None)
         if sock is not None:
-            sock.close(linger=0)
+            lost = [rid for rid, t in self._requests.items() if t.engine_id == engine_id]
+            if lost:
+                abort = AbortRequest(lost, f"engine {engine_id} {reason}; the request went on elsewhere")
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send_multipart(self._encoder.abort(abort), flags=zmq.NOBLOCK)
+            sock.close(linger=_ABORT_LINGER_MS)
         return self.fail_requests(engine_id, reason)
 
     def fail_requests(self, engine_id: str, reason: str) -> int:

@@ -2,15 +2,21 @@
 
 Each poll is two round trips: the engine index (a SET), then every engine's record and load
 report in one pipeline. An engine whose record has expired (no heartbeat within its TTL) or says
-DEAD is lost: its socket closes and its requests end with an error. A DRAINING engine keeps its
-requests but gets no new ones. Nothing on the token path waits on Redis; if Redis cannot be read,
-the last view stays in force and the next poll tries again.
+DEAD is lost: its socket closes and its requests go on on other engines. A DRAINING engine keeps
+its requests but gets no new ones. Nothing on the token path waits on Redis; if Redis cannot be
+read, the last view stays in force and the next poll tries again.
+
+A Redis that restarted empty looks like every engine's record expiring at once. The first round
+trip also sets the cluster's ``epoch`` key if it is missing; when it was, Redis lost its data,
+and engines whose records are gone keep serving for ``restart_grace_s`` while they register
+again (they do at their next heartbeat).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -40,8 +46,11 @@ class FleetView:
         keys: Keys,
         on_engine_added: Callable[[EngineRecord], None],
         on_engine_lost: Callable[[str, str], None],
+        restart_grace_s: float = 10.0,
     ) -> None:
         self._client = client
+        self._restart_grace_s = restart_grace_s
+        self._restarted_at = float("-inf")
         self._keys = keys
         self._on_added = on_engine_added
         self._on_lost = on_engine_lost
@@ -60,13 +69,24 @@ class FleetView:
         return min(lens) if lens else None
 
     async def refresh(self) -> None:
-        ids = sorted(m.decode() for m in await self._client.smembers(self._keys.engines))
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.set(self._keys.epoch, b"1", nx=True)
+            pipe.smembers(self._keys.engines)
+            epoch_was_missing, members = await pipe.execute()
+        if epoch_was_missing and self.engines:
+            self._restarted_at = time.monotonic()
+            logger.warning(
+                "Redis lost the fleet state (restarted?); engines have %.0f s to register again",
+                self._restart_grace_s,
+            )
+        ids = sorted(m.decode() for m in members)
         async with self._client.pipeline(transaction=False) as pipe:
             for engine_id in ids:
                 pipe.get(self._keys.engine(engine_id))
                 pipe.get(self._keys.load(engine_id))
             values = await pipe.execute()
         seen: set[str] = set()
+        dead: set[str] = set()
         stale: list[str] = []
         for i, engine_id in enumerate(ids):
             raw_record, raw_report = values[2 * i], values[2 * i + 1]
@@ -88,10 +108,13 @@ class FleetView:
                 )
                 continue
             if record.state == EngineState.DEAD:
+                dead.add(engine_id)
                 continue
             seen.add(engine_id)
             self._upsert(record, report)
-        for engine_id in [e for e in self.engines if e not in seen]:
+        # Right after Redis lost its data, a missing record is no sign of death (DEAD still is).
+        in_grace = time.monotonic() - self._restarted_at < self._restart_grace_s
+        for engine_id in [e for e in self.engines if e not in seen and (e in dead or not in_grace)]:
             del self.engines[engine_id]
             logger.warning("engine %s left the fleet (heartbeat expired or marked DEAD)", engine_id)
             self._on_lost(engine_id, "stopped heartbeating")

@@ -1,0 +1,82 @@
+"""Overload on a real router process (``--max-inflight 1 --max-queued 1 --queue-timeout 2``):
+one request runs, one waits in line, the next is refused at once with 429 and ``Retry-After``,
+the waiting one is refused when its wait runs out, a flood of refusals leaves the router's
+memory where it was, and once the running request ends the router serves again.
+
+The engines' vLLM processes are frozen while the router is full, so the running request holds
+its slot for as long as the test needs (the tiny model would otherwise finish it in moments)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.support import RunningFleet, extra_router, wait_until
+
+pytestmark = pytest.mark.integration
+
+BODY = {"prompt": [4, 5, 6], "max_tokens": 4}
+
+
+def _complete(url: str, model: str, timeout_s: float) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": model, **BODY}, timeout=timeout_s)
+
+
+def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFleet, tmp_path: Path) -> None:
+    records = [r for i in range(2) if (r := tiny_fleet.engine_record(tiny_fleet.cfg.engine_id(i)))]
+    cores = [p for r in records for p in psutil.Process(r.pid).children(recursive=True)]
+    limits = ("--max-inflight", "1", "--max-queued", "1", "--queue-timeout", "2")
+    replies: dict[str, httpx.Response] = {}
+
+    def post(url: str, name: str) -> None:
+        replies[name] = _complete(url, tiny_fleet.model, 120)
+
+    with extra_router(tiny_fleet, "router-small", tmp_path, *limits) as (url, router):
+        process = psutil.Process(router.pid)
+        for core in cores:
+            core.suspend()
+        try:
+            running = threading.Thread(target=post, args=(url, "running"))
+            running.start()
+            wait_until(lambda: _gauge(url, "shoal_router_requests_inflight") == 1, 30, "a request to run")
+            waiting = threading.Thread(target=post, args=(url, "waiting"))
+            waiting.start()
+            wait_until(lambda: _gauge(url, "shoal_router_requests_queued") == 1, 30, "a request to wait")
+
+            started = time.monotonic()
+            refused = _complete(url, tiny_fleet.model, 30)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "router_busy"
+            assert int(refused.headers["retry-after"]) >= 1
+            assert time.monotonic() - started < 1.5, "a full line must refuse at once, not after a wait"
+
+            # A flood of refusals holds no memory (nothing is queued past the bound).
+            rss_before = process.memory_info().rss
+            with httpx.Client(timeout=30) as http:
+                for _ in range(300):
+                    reply = http.post(url + "/v1/completions", json={"model": tiny_fleet.model, **BODY})
+                    assert reply.status_code == 429
+            assert process.memory_info().rss - rss_before < 32 * 2**20
+
+            waiting.join(timeout=30)
+            assert replies["waiting"].status_code == 429
+            assert "no slot freed up within 2 s" in replies["waiting"].json()["error"]["message"]
+        finally:
+            for core in cores:
+                core.resume()
+        running.join(timeout=120)
+        assert replies["running"].status_code == 200, replies["running"].text
+        served = _complete(url, tiny_fleet.model, 60)
+        assert served.status_code == 200, served.text
+
+
+def _gauge(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
