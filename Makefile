@@ -115,6 +115,10 @@ bench-operator: setup ## Operator reconcile cost against kmock (API calls, write
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)
 
+.PHONY: bench-chaos
+bench-chaos: setup models ## Streams under engine kills, a Redis restart and a drain; writes docs/reliability.md
+	$(PY) bench/chaos.py $(BENCH_ARGS)
+
 IMAGE_TAG ?= 0.1.0
 IMAGES := engine engine-cpu router tokenizer operator
 PIP_EXTRA_INDEX_URL ?=

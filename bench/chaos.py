@@ -1,0 +1,303 @@
+"""Chaos run: many greedy streams for minutes while engines die, Redis restarts and an engine
+drains; counts every token each stream should have got.
+
+    make bench-chaos                       # 64 streams, 3 minutes, an engine killed every 30 s
+    make bench-chaos BENCH_ARGS="--streams 32 --duration 120 --kill-every 20"
+
+A local fleet of three tiny-model engines (supervisord restarts a killed one) serves clients
+that each run one streaming completion after another (seeded prompts, ``ignore_eos``, a random
+``max_tokens`` of 64-512), so every stream must deliver exactly ``max_tokens`` token ids: fewer is
+a lost token, more a duplicate. Meanwhile: SIGKILL a random engine every ``--kill-every`` seconds,
+restart Redis once a third of the way in, and drain one engine by migration two thirds of the
+way in. Reported: streams completed and failed, tokens lost and duplicated, client-visible
+stall (each stream's longest gap between two tokens) p50/p99, and each process's memory over
+time (a plot). Requests and time are bounded; the fleet stops by itself at the end. Results go
+to ``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import update_section
+
+from shoal_fleet.launcher import Fleet, FleetConfig
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import engine_control_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "reliability.md"
+PLOT = ROOT / "docs" / "images" / "chaos-memory.png"
+BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+
+
+@dataclass
+class Tally:
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    longest_gaps: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[float, str]] = field(default_factory=list)
+
+
+def fleet_config(engines: int) -> FleetConfig:
+    return FleetConfig(
+        model_path=ROOT / ".cache" / "models" / "tiny-llama",
+        served_model_name="tiny-llama",
+        run_dir=ROOT / ".cache" / "bench" / "chaos",
+        engines=engines,
+        cluster="bench-chaos",
+        router_port=28300,
+        router_zmq_port=28301,
+        tokenizer_port=28302,
+        redis_port=28303,
+        engine_zmq_base_port=28310,
+        engine_http_base_port=28320,
+        engine_control_base_port=28330,
+        engine_kv_base_port=28340,
+        max_model_len=2048,
+        dtype="float32",
+        restart=True,
+    )
+
+
+async def client(
+    http: httpx.AsyncClient, url: str, seed: int, stop_at: float, tally: Tally, say_every: int
+) -> None:
+    rng = random.Random(seed)
+    while time.monotonic() < stop_at:
+        max_tokens = rng.randint(64, 512)
+        body = {
+            "model": "tiny-llama",
+            "prompt": [rng.randrange(1, 30000) for _ in range(rng.randint(4, 64))],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        got, longest, last, ended = 0, 0.0, 0.0, ""
+        try:
+            async with http.stream("POST", url + "/v1/completions", json=body) as reply:
+                if reply.status_code != 200:
+                    await reply.aread()
+                    code = reply.json().get("error", {}).get("code") or str(reply.status_code)
+                    tally.errors[code] = tally.errors.get(code, 0) + 1
+                    await asyncio.sleep(0.5)  # the fleet is short of engines for a moment
+                    continue
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        ended = "done"
+                        break
+                    payload = json.loads(line.removeprefix("data: "))
+                    if "error" in payload:
+                        ended = payload["error"].get("code") or "error"
+                        break
+                    tokens = payload["choices"][0].get("token_ids") or []
+                    now = time.monotonic()
+                    if tokens and last:
+                        longest = max(longest, now - last)
+                    if tokens:
+                        last = now
+                    got += len(tokens)
+        except httpx.HTTPError as exc:
+            ended = type(exc).__name__
+        if ended == "done":
+            tally.completed += 1
+            tally.lost += max(0, max_tokens - got)
+            tally.duplicated += max(0, got - max_tokens)
+            tally.longest_gaps.append(longest)
+            if tally.completed % say_every == 0:
+                print(f"  {tally.completed} streams completed", flush=True)
+        else:
+            tally.failed += 1
+            tally.errors[ended] = tally.errors.get(ended, 0) + 1
+
+
+def chaos(fleet: Fleet, cfg: FleetConfig, args: argparse.Namespace, started: float, tally: Tally) -> None:
+    """The disruptions, on a thread: kills on a schedule, one Redis restart, one drain."""
+    rng = random.Random(7)
+    next_kill = started + args.kill_every
+    redis_at, drain_at = started + args.duration / 3, started + 2 * args.duration / 3
+    redis_done = drain_done = False
+    end = started + args.duration
+    while time.monotonic() < end:
+        now = time.monotonic()
+        if now >= next_kill:
+            engine = f"engine-{rng.randrange(cfg.engines)}"
+            pid = fleet.pids().get(engine)
+            if pid:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                tally.events.append((now - started, f"killed {engine}"))
+                print(f"  t={now - started:.0f}s: killed {engine} (supervisord restarts it)", flush=True)
+            next_kill += args.kill_every
+        if not redis_done and now >= redis_at:
+            fleet.restart("redis")
+            tally.events.append((now - started, "restarted Redis"))
+            print(f"  t={now - started:.0f}s: restarted Redis", flush=True)
+            redis_done = True
+        if not drain_done and now >= drain_at:
+            engine = rng.randrange(cfg.engines)
+            address = f"{cfg.host}:{cfg.engine_control_base_port + engine}"
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    result = pb_grpc.EngineControlStub(channel).Drain(
+                        pb.DrainRequest(deadline_s=20), timeout=30
+                    )
+                note = f"drained engine-{engine}: {result.migrated} moved, {result.remaining} left"
+            except grpc.RpcError as exc:
+                note = f"drain of engine-{engine} failed: {exc.code().name}"
+            tally.events.append((time.monotonic() - started, note))
+            print(f"  t={time.monotonic() - started:.0f}s: {note}", flush=True)
+            drain_done = True
+        time.sleep(0.2)
+
+
+def sample_memory(
+    fleet: Fleet, started: float, end: float, samples: dict[str, list[tuple[float, float]]]
+) -> None:
+    while time.monotonic() < end:
+        for name, pid in fleet.pids().items():
+            try:
+                process = psutil.Process(pid)
+                rss = process.memory_info().rss + sum(
+                    child.memory_info().rss for child in process.children(recursive=True)
+                )
+            except psutil.Error:
+                continue
+            samples.setdefault(name, []).append((time.monotonic() - started, rss / 2**20))
+        time.sleep(2.0)
+
+
+def plot(samples: dict[str, list[tuple[float, float]]], events: list[tuple[float, str]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, points in sorted(samples.items()):
+        ax.plot([t for t, _ in points], [m for _, m in points], label=name)
+    for t, what in events:
+        ax.axvline(t, color="grey", linewidth=0.6, linestyle=":")
+        ax.text(t, ax.get_ylim()[1], what, rotation=90, fontsize=6, va="top", ha="right")
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel("resident memory, MiB (process and its children)")
+    ax.set_title("Chaos run: memory of each fleet process")
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+
+
+def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple[float, float]]]) -> str:
+    gaps = sorted(tally.longest_gaps) or [0.0]
+    p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    growth = {
+        name: (points[-1][1] - points[0][1], max(m for _, m in points))
+        for name, points in samples.items()
+        if points
+    }
+    lines = [
+        BEGIN,
+        f"## Chaos run ({time.strftime('%Y-%m-%d')}, `make bench-chaos`)",
+        "",
+        f"{args.streams} concurrent greedy streams for {args.duration} s against three tiny-model engines;",
+        f"an engine SIGKILLed every {args.kill_every} s (supervisord restarts it), Redis restarted once,",
+        "one engine drained by migration.",
+        "",
+        "| streams completed | streams failed | tokens lost | tokens duplicated | stall p50 | stall p99 |",
+        "|---|---|---|---|---|---|",
+        f"| {tally.completed} | {tally.failed} | {tally.lost} | {tally.duplicated} "
+        f"| {statistics.median(gaps) * 1000:.0f} ms | {p99 * 1000:.0f} ms |",
+        "",
+        "Stall: each completed stream's longest gap between two tokens (a stream that moved or was",
+        "continued after its engine died shows it there).",
+        "",
+        "Refusals and failures by code: "
+        + (", ".join(f"`{code}` {count}" for code, count in sorted(tally.errors.items())) or "none"),
+        "",
+        "Events: " + "; ".join(f"{t:.0f} s {what}" for t, what in tally.events),
+        "",
+        "| process | memory at the end minus at the start | peak |",
+        "|---|---|---|",
+        *(
+            f"| {name} | {delta:+.0f} MiB | {peak:.0f} MiB |"
+            for name, (delta, peak) in sorted(growth.items())
+        ),
+        "",
+        "![Memory of each process over the chaos run](images/chaos-memory.png)",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--duration", type=int, default=180, help="seconds of load")
+    parser.add_argument("--kill-every", type=int, default=30, help="seconds between engine kills")
+    parser.add_argument("--engines", type=int, default=3)
+    args = parser.parse_args()
+    cfg = fleet_config(args.engines)
+    fleet = Fleet(cfg, say=lambda line: print("  " + line.strip(), flush=True))
+    print(f"[1/3] starting {args.engines} tiny-model engines", flush=True)
+    fleet.start()
+    tally = Tally()
+    samples: dict[str, list[tuple[float, float]]] = {}
+    try:
+        fleet.wait_ready(timeout_s=600)
+        print(f"[2/3] {args.streams} streams for {args.duration} s under chaos", flush=True)
+        started = time.monotonic()
+        end = started + args.duration
+        threads = [
+            threading.Thread(target=chaos, args=(fleet, cfg, args, started, tally), daemon=True),
+            threading.Thread(target=sample_memory, args=(fleet, started, end, samples), daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+
+        async def load() -> None:
+            limits = httpx.Limits(max_connections=args.streams + 8)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+                await asyncio.gather(
+                    *(client(http, cfg.base_url, seed, end, tally, 50) for seed in range(args.streams))
+                )
+
+        asyncio.run(load())
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        print("[3/3] stopping the fleet and writing docs/reliability.md", flush=True)
+        fleet.stop()
+    plot(samples, tally.events)
+    update_section(report(args, tally, samples), BEGIN, END, DOCS)
+    print(
+        f"completed {tally.completed}, failed {tally.failed}, "
+        f"lost {tally.lost}, duplicated {tally.duplicated}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
