@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "reliability.md"
 PLOT = ROOT / "docs" / "images" / "chaos-memory.png"
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
+VOCAB = json.loads((ROOT / ".cache" / "models" / "tiny-llama" / "config.json").read_text())["vocab_size"]
 
 
 @dataclass
@@ -87,7 +88,7 @@ async def client(
         max_tokens = rng.randint(64, 512)
         body = {
             "model": "tiny-llama",
-            "prompt": [rng.randrange(1, 30000) for _ in range(rng.randint(4, 64))],
+            "prompt": [rng.randrange(1, VOCAB) for _ in range(rng.randint(4, 64))],
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,

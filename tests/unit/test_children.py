@@ -102,7 +102,17 @@ def test_engines_follow_the_spec() -> None:
     assert int(hook[hook.index("--port") + 1]) == args_port(args, "--http-port")
     env = env_of(container)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
-    assert env["REDIS_URL"] == "redis://smol-redis:6379/0"
+    # The managed Redis wants the password from the Secret the operator generates.
+    assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "smol-redis-auth", "key": "password"}}
+    assert env["REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@smol-redis:6379/0"
+    names = [e["name"] for e in container["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")  # defined before it is used
+    redis_container = one(rendered, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
+    assert redis_container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    assert env_of(redis_container)["REDISCLI_AUTH"] == env["REDIS_PASSWORD"]
+    secret = one(rendered, "Secret", "redis")
+    assert "data" not in secret and "stringData" not in secret
+    assert secret["metadata"]["annotations"] == {children.GENERATED_KEYS_ANNOTATION: "password"}
     assert container["resources"]["requests"] == container["resources"]["limits"]  # Guaranteed QoS
     # Managed Redis, no Ingress unless asked for; one router may be evicted when it is alone.
     assert one(rendered, "StatefulSet", "redis")["spec"]["replicas"] == 1
@@ -134,12 +144,30 @@ def test_external_redis_comes_from_the_secret_and_no_redis_is_run() -> None:
         assert env_of(container)["REDIS_URL"] == {"secretKeyRef": {"name": "fleet-redis", "key": "url"}}
 
 
-def test_only_the_clusters_own_pods_reach_its_engines() -> None:
+def _peers(cluster_name: str, *components: str) -> dict[str, Any]:
+    return {
+        "from": [
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/instance": cluster_name},
+                    "matchExpressions": [
+                        {"key": "app.kubernetes.io/component", "operator": "In", "values": list(components)}
+                    ],
+                }
+            }
+        ]
+    }
+
+
+def test_only_the_clusters_routers_and_engines_reach_its_engines() -> None:
     cluster = cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")
-    policy = one(children.render(cluster), "NetworkPolicy", "engine")["spec"]
+    rendered = children.render(cluster)
+    policy = one(rendered, "NetworkPolicy", "engine")["spec"]
     assert policy["podSelector"]["matchLabels"] == children.selector(cluster, "engine")
     same, metrics, operator = policy["ingress"]
-    assert same == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "smol"}}}]}
+    assert same == _peers("smol", "router", "engine")
+    assert one(rendered, "NetworkPolicy", "tokenizer")["spec"]["ingress"] == [_peers("smol", "router")]
+    assert one(rendered, "NetworkPolicy", "redis")["spec"]["ingress"][0] == _peers("smol", "router", "engine")
     assert metrics == {"ports": [{"port": children.ENGINE_HTTP_PORT, "protocol": "TCP"}]}
     # The operator drains engines before a scale-down: their control port, from its pods only.
     assert operator == {

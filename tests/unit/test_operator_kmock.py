@@ -30,7 +30,7 @@ NS, NAME, UID = "serving", "smol", "7d0c6a52-0b5e-4b1b-9a57-4c0e1f7b2c11"
 CLUSTERS = f"{GROUP}/{VERSION}/{PLURAL}"
 ENGINES = "apps/v1/statefulsets"
 _ALL = {"get", "list", "watch", "create", "patch", "delete"}
-_CHILD_PLURALS = {plural for _, plural in CHILD_RESOURCES} | {"servicemonitors"}
+_CHILD_PLURALS = {plural for _, plural in CHILD_RESOURCES} | {"servicemonitors", "secrets"}
 
 
 def _cluster(**engine: Any) -> dict[str, Any]:
@@ -122,7 +122,7 @@ EXPECTED_CHILDREN = {
     "PodDisruptionBudget/smol-engine", "NetworkPolicy/smol-engine",
     "Deployment/smol-router", "Service/smol-router", "PodDisruptionBudget/smol-router",
     "Deployment/smol-tokenizer", "Service/smol-tokenizer", "NetworkPolicy/smol-tokenizer",
-    "StatefulSet/smol-redis", "Service/smol-redis", "NetworkPolicy/smol-redis",
+    "Secret/smol-redis-auth", "StatefulSet/smol-redis", "Service/smol-redis", "NetworkPolicy/smol-redis",
 }  # fmt: skip
 
 
@@ -149,10 +149,13 @@ async def test_a_reconcile_that_changes_nothing_writes_nothing(
 ) -> None:
     api.objects[CLUSTERS, NS, NAME] = _cluster()
     await reconciler.reconcile(NS, NAME)
+    password = _children(api)["Secret/smol-redis-auth"]["data"]["password"]
     before = len(_requests(api))
     outcome = await reconciler.reconcile(NS, NAME)
     assert outcome.writes == 0
     assert _writes(api, before) == []
+    # The managed Redis's generated password stays what it was (the pods read it at start).
+    assert _children(api)["Secret/smol-redis-auth"]["data"]["password"] == password
 
 
 async def test_replica_change_patches_only_the_statefulset(

@@ -26,7 +26,7 @@ import msgspec
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from shoal_operator.children import REDIS_PORT, Cluster
+from shoal_operator.children import REDIS_AUTH_KEY, REDIS_PORT, Cluster, redis_auth_secret_name
 from shoal_operator.reconcile import CLUSTER_API_VERSION, Api, ApiError, Manifest
 from shoal_operator.spec import KIND, AutoscalingSpec, EngineSpec, InferenceClusterSpec
 from shoal_protos.records import Keys, engine_record_decoder, load_report_decoder
@@ -145,13 +145,17 @@ class Autoscaler:
     async def _cluster_redis_url(self, cluster: Cluster) -> str:
         redis = cluster.spec.redis
         if redis.mode == "managed":
-            return f"redis://{cluster.name}-redis.{cluster.namespace}.svc:{REDIS_PORT}/0"
+            password = await self._secret_value(cluster, redis_auth_secret_name(cluster), REDIS_AUTH_KEY)
+            return f"redis://:{password}@{cluster.name}-redis.{cluster.namespace}.svc:{REDIS_PORT}/0"
         if redis.url_secret is None:
             return str(redis.url)
-        secret = await self._api.get("v1", "Secret", cluster.namespace, redis.url_secret.name)
-        encoded = ((secret or {}).get("data") or {}).get(redis.url_secret.key)
+        return await self._secret_value(cluster, redis.url_secret.name, redis.url_secret.key)
+
+    async def _secret_value(self, cluster: Cluster, name: str, key: str) -> str:
+        secret = await self._api.get("v1", "Secret", cluster.namespace, name)
+        encoded = ((secret or {}).get("data") or {}).get(key)
         if not encoded:
-            raise ApiError(404, f"Secret {redis.url_secret.name} has no key {redis.url_secret.key}")
+            raise ApiError(404, f"Secret {name} has no key {key}")
         return base64.b64decode(encoded).decode()
 
     async def close(self) -> None:

@@ -35,8 +35,9 @@ RULES: list[Manifest] = [
         "resources": ["servicemonitors"],
         "verbs": ["get", "create", "patch"],
     },
-    # An external Redis URL kept in a Secret (the autoscaler reads the fleet's load there).
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+    # The managed Redis's password (created once, never read back into a pod spec), and an
+    # external Redis URL kept in a Secret (the autoscaler reads the fleet's load there).
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
 ]

@@ -16,6 +16,8 @@ change) sets ``Ready=False`` with reason ``InvalidSpec`` and leaves every child 
 from __future__ import annotations
 
 import asyncio
+import base64
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,7 +25,7 @@ from pydantic import ValidationError
 
 from shoal_operator import rollout
 from shoal_operator import status as cluster_status
-from shoal_operator.children import Cluster, render
+from shoal_operator.children import GENERATED_KEYS_ANNOTATION, Cluster, render
 from shoal_operator.drain import Drained, Drainer
 from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
 
@@ -87,6 +89,16 @@ def drifted(desired: Any, live: Any) -> bool:
     if desired == live:
         return False
     return not (isinstance(desired, int | str) and isinstance(live, int | str) and str(desired) == str(live))
+
+
+def _with_generated_keys(manifest: Manifest) -> Manifest:
+    """A Secret to create, with a random token for each key its annotation names (only ever at
+    creation: the rendered Secret carries no data, so later reconciles leave the values alone)."""
+    keys = (manifest["metadata"].get("annotations") or {}).get(GENERATED_KEYS_ANNOTATION)
+    if manifest["kind"] != "Secret" or not keys:
+        return manifest
+    data = {key: base64.b64encode(secrets.token_hex(32).encode()).decode() for key in keys.split(",")}
+    return {**manifest, "data": data}
 
 
 def _owned_fields(manifest: Manifest) -> Manifest:
@@ -198,7 +210,7 @@ class Reconciler:
         api_version, kind, meta = desired["apiVersion"], desired["kind"], desired["metadata"]
         if live is None:
             try:
-                created = await self._api.create(desired)
+                created = await self._api.create(_with_generated_keys(desired))
             except ApiError as exc:
                 if exc.status != 409:  # 409: another writer created it just now; patch it below
                     raise

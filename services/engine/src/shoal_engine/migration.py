@@ -71,6 +71,9 @@ from shoal_protos.records import (
 
 logger = logging.getLogger(__name__)
 
+_UNREACHABLE_S = 10.0
+"""How long a target whose control API refused connections is left out of target picking."""
+
 _OUTCOME_NAMES = {pb.MIGRATED: "MIGRATED", pb.REFUSED: "REFUSED", pb.FAILED: "FAILED", pb.GONE: "GONE"}
 
 # Sets the owner record only if its generation moves forward (fencing).
@@ -169,6 +172,8 @@ class MigrationManager:
         # its Redis record's state and the service's refusal of new requests.
         self.set_draining: Callable[[bool], Awaitable[None]] | None = None
         self._rejoin: asyncio.Task[None] | None = None
+        # Engines whose control API could not be reached, until when they are not picked.
+        self._unreachable: dict[str, float] = {}
 
     # ---- source side --------------------------------------------------------------------------
 
@@ -194,6 +199,9 @@ class MigrationManager:
             await self._migrate(result, started, mode)
         except (MigrationError, grpc.aio.AioRpcError, TimeoutError, RedisError, OSError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                # The target died but its record has not expired yet: pick others for a while.
+                self._unreachable[result.target_engine_id] = time.monotonic() + _UNREACHABLE_S
             return self._finish(result, pb.FAILED, detail or type(exc).__name__, started)
         finally:
             self._moving.discard(request_id)
@@ -352,7 +360,10 @@ class MigrationManager:
             moves = await asyncio.gather(*(move(rid) for rid in pending))
             result.migrations.extend(moves)
             if not any(m.outcome == pb.MIGRATED for m in moves):
-                break  # nowhere to go: do not spin
+                if not any(m.target_engine_id in self._unreachable for m in moves):
+                    break  # nowhere to go: do not spin
+                # A target was down (and is now skipped): try the others.
+                await asyncio.sleep(0.2)
         result.migrated = sum(1 for m in result.migrations if m.outcome == pb.MIGRATED)
         result.failed = sum(1 for m in result.migrations if m.outcome in (pb.FAILED, pb.REFUSED))
         result.remaining = len(self._service.request_ids())
@@ -394,8 +405,9 @@ class MigrationManager:
             return record
         ids = sorted(m.decode() for m in await self._redis.smembers(self._keys.engines))
         best: tuple[int, EngineRecord] | None = None
+        now = time.monotonic()
         for other in ids:
-            if other == self._engine_id:
+            if other == self._engine_id or self._unreachable.get(other, 0.0) > now:
                 continue
             raw_record, raw_load = await self._redis.mget(self._keys.engine(other), self._keys.load(other))
             if raw_record is None:
