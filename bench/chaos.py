@@ -198,10 +198,19 @@ def plot(samples: dict[str, list[tuple[float, float]]], events: list[tuple[float
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, points in sorted(samples.items()):
-        ax.plot([t for t, _ in points], [m for _, m in points], label=name)
-    for t, what in events:
+        xs: list[float] = []
+        ys: list[float] = []
+        for t, mib in points:
+            if xs and t - xs[-1] > 5.0:  # the process was dead (killed, not yet back): a gap
+                xs.append(xs[-1])
+                ys.append(float("nan"))
+            xs.append(t)
+            ys.append(mib)
+        ax.plot(xs, ys, label=name)
+    top = ax.get_ylim()[1]
+    for i, (t, what) in enumerate(events):
         ax.axvline(t, color="grey", linewidth=0.6, linestyle=":")
-        ax.text(t, ax.get_ylim()[1], what, rotation=90, fontsize=6, va="top", ha="right")
+        ax.text(t, top * (0.98 - 0.12 * (i % 3)), what, rotation=90, fontsize=6, va="top", ha="right")
     ax.set_xlabel("seconds into the run")
     ax.set_ylabel("resident memory, MiB (process and its children)")
     ax.set_title("Chaos run: memory of each fleet process")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -121,6 +121,26 @@ async def read_all(deltas: AsyncIterator[RequestDelta], into: list[RequestDelta]
         into.append(delta)
 
 
+@dataclass
+class Streaming:
+    """A request on e0 whose reader has its first token (10)."""
+
+    handle: GenerationHandle
+    add: AddRequest
+    got: list[RequestDelta]
+    reader: asyncio.Task[None]
+
+
+async def streaming_on_e0(generation: Generation, played: dict[str, PlayedEngine]) -> Streaming:
+    handle = await start(generation, "e0")
+    add = await played["e0"].next_add()
+    got: list[RequestDelta] = []
+    reader = asyncio.create_task(read_all(handle.deltas(), got))
+    await played["e0"].send(add.reply_to, RequestPiece(handle.request_id, 0, [10], "a"))
+    await _until(lambda: len(got) == 1)
+    return Streaming(handle, add, got, reader)
+
+
 async def test_a_request_whose_engine_dies_goes_on_after_its_delivered_tokens(
     setup: tuple[Generation, dict[str, PlayedEngine]],
 ) -> None:
@@ -215,12 +235,8 @@ async def test_attempts_are_bounded(setup: tuple[Generation, dict[str, PlayedEng
     """With ``max_attempts`` 2, the second engine's failure ends the stream with an error."""
     generation, played = setup
     generation.max_attempts = 2
-    handle = await start(generation, "e0")
-    add = await played["e0"].next_add()
-    got: list[RequestDelta] = []
-    reader = asyncio.create_task(read_all(handle.deltas(), got))
-    await played["e0"].send(add.reply_to, RequestPiece(handle.request_id, 0, [10], "a"))
-    await _until(lambda: len(got) == 1)
+    running = await streaming_on_e0(generation, played)
+    handle, got, reader = running.handle, running.got, running.reader
     generation.engines.fail_requests("e0", "died")
     second = await played["e1"].next_add()
     assert second.output_token_ids == [10]
@@ -255,9 +271,9 @@ async def test_a_refusal_before_the_first_token_with_no_engine_left_is_a_503(
         await asyncio.wait_for(anext(handle.deltas()), timeout=5)
 
 
-async def _until(condition: object, timeout_s: float = 5.0) -> None:
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
+    while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
 
@@ -267,12 +283,8 @@ async def test_an_engine_lost_by_its_heartbeat_is_told_to_abort_what_goes_on_els
 ) -> None:
     """A stalled engine may wake up: it gets an ABORT for the requests another engine continues."""
     generation, played = setup
-    handle = await start(generation, "e0")
-    add = await played["e0"].next_add()
-    await played["e0"].send(add.reply_to, RequestPiece(handle.request_id, 0, [10], "a"))
-    got: list[RequestDelta] = []
-    reader = asyncio.create_task(read_all(handle.deltas(), got))
-    await _until(lambda: len(got) == 1)
+    running = await streaming_on_e0(generation, played)
+    handle, got, reader = running.handle, running.got, running.reader
 
     generation.engines.engine_lost("e0", "stopped heartbeating")
 
