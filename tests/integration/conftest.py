@@ -13,6 +13,7 @@ so their model loads overlap. Every wait has a deadline.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ import pytest
 import redis
 from _pytest.reports import TestReport
 
-from shoal_fleet.launcher import Fleet, FleetConfig
+from shoal_fleet.launcher import Fleet, FleetConfig, write_curve_key
 from shoal_protos.records import Keys
 from tests.integration.support import (
     MODELS,
@@ -118,6 +119,11 @@ def _fleets(
         # in float32 such ties are some ten thousand times rarer.
         "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=2, offset=1, dtype="float32"),
     }
+    # The SmolLM2 fleet speaks CURVE between its router and engines (every test on it runs
+    # through the encrypted sockets); the tiny fleet stays plain for the hostile-frames test.
+    configs["smol"] = dataclasses.replace(
+        configs["smol"], zmq_curve_key_file=write_curve_key(run_dir / "smol-fleet.key")
+    )
     fleets = {
         name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()
     }

@@ -230,3 +230,30 @@ def test_router_api_keys_come_from_secrets() -> None:
         children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")), "Deployment", "router"
     )
     assert "--api-keys-file" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_curve_key_reaches_routers_and_engines_from_its_secret() -> None:
+    obj = yaml.safe_load((ROOT / "operator" / "samples" / "minimal.yaml").read_text())
+    obj["spec"]["zmqCurveSecret"] = {"name": "fleet-curve"}
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
+    rendered = children.render(cluster)
+    for kind, component in (("Deployment", "router"), ("StatefulSet", "engine")):
+        workload = one(rendered, kind, component)
+        kubernetes_validate.validate(workload, kubernetes_validate.latest_version(), strict=True)
+        pod = workload["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        args = container["args"]
+        assert args[args.index("--zmq-curve-key-file") + 1] == "/etc/shoal/zmq-curve-key/fleet.key"
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "zmq-curve-key"]
+        assert volume["secret"] == {
+            "secretName": "fleet-curve",
+            "items": [{"key": "fleet.key", "path": "fleet.key"}],
+        }
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "zmq-curve-key"]
+        assert mount["readOnly"] and mount["mountPath"] == "/etc/shoal/zmq-curve-key"
+    plain = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
+    for kind, component in (("Deployment", "router"), ("StatefulSet", "engine")):
+        assert (
+            "--zmq-curve-key-file"
+            not in one(plain, kind, component)["spec"]["template"]["spec"]["containers"][0]["args"]
+        )

@@ -137,7 +137,7 @@ def _container_security(read_only_root: bool = True) -> Manifest:
 
 _TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 KEYS_DIR = "/etc/shoal"
-"""Where routers find their API keys files (mounted from Secrets)."""
+"""Where routers and engines find files mounted from Secrets (API keys, the CURVE key)."""
 _TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
 
 
@@ -235,6 +235,11 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
         "--kv-transport", engine.kv_transport,
         "--block-size", str(engine.block_size),
     ]  # fmt: skip
+    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    if spec.zmq_curve_secret is not None:
+        curve_secret = spec.zmq_curve_secret
+        args += _secret_file("--zmq-curve-key-file", curve_secret.name, curve_secret.key, mounts, volumes)
     env = _POD_ENV + _redis_env(cluster)
     if engine.gpus == 0:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(engine.kv_cache_gib)})
@@ -262,7 +267,7 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
             "preStop": {"exec": {"command": ["shoal-engine-prestop", "--port", str(ENGINE_HTTP_PORT)]}}
         },
         "securityContext": _container_security(read_only_root=False),
-        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+        "volumeMounts": mounts,
     }
     return {
         "apiVersion": "apps/v1",
@@ -280,11 +285,22 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
                     "terminationGracePeriodSeconds": spec.drain.deadline_seconds + EXIT_GRACE_S,
                     "securityContext": _pod_security(SHOAL_UID),
                     "containers": [container],
-                    "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+                    "volumes": volumes,
                 },
             },
         },
     }
+
+
+def _secret_file(
+    flag: str, secret: str, key: str, mounts: list[dict[str, Any]], volumes: list[dict[str, Any]]
+) -> list[str]:
+    """Mount one key of a Secret read-only as a file; returns ``[flag, path]``."""
+    volume = flag.removeprefix("--").removesuffix("-file")
+    folder = f"{KEYS_DIR}/{volume}"
+    mounts.append({"name": volume, "mountPath": folder, "readOnly": True})
+    volumes.append({"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": key}]}})
+    return [flag, f"{folder}/{key}"]
 
 
 def router_deployment(cluster: Cluster) -> Manifest:
@@ -299,22 +315,15 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "--port", str(ROUTER_HTTP_PORT),
         "--zmq-port", str(ROUTER_ZMQ_PORT),
     ]  # fmt: skip
-    mounts, volumes = [], []
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
     for flag, secret in (
         ("--api-keys-file", router.api_keys_secret),
         ("--admin-keys-file", router.admin_keys_secret),
+        ("--zmq-curve-key-file", cluster.spec.zmq_curve_secret),
     ):
         if secret is not None:
-            volume = flag.removeprefix("--").removesuffix("-file")
-            folder = f"{KEYS_DIR}/{volume}"
-            args += [flag, f"{folder}/{secret.key}"]
-            mounts.append({"name": volume, "mountPath": folder, "readOnly": True})
-            volumes.append(
-                {
-                    "name": volume,
-                    "secret": {"secretName": secret.name, "items": [{"key": secret.key, "path": secret.key}]},
-                }
-            )
+            args += _secret_file(flag, secret.name, secret.key, mounts, volumes)
     container = {
         "name": "router",
         "image": router.image,

@@ -191,6 +191,13 @@ class SecretKeyRef(_Spec):
     key: str = Field(default="url", min_length=1, max_length=253, description="Key holding the value.")
 
 
+class CurveKeySecret(_Spec):
+    """A Secret key holding the fleet's CURVE key file (``python -m shoal_protos.curve``)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_LABEL_PATTERN, description="Secret name.")
+    key: str = Field(default="fleet.key", min_length=1, max_length=253, description="Key holding the file.")
+
+
 class RedisSpec(_Spec):
     """Where fleet state lives: a Redis the operator runs, or one you already have."""
 
@@ -262,6 +269,12 @@ class InferenceClusterSpec(_Spec):
     redis: RedisSpec = Field(default_factory=RedisSpec, description="Fleet state store.")
     drain: DrainSpec = Field(default_factory=DrainSpec, description="Engine drain by migration.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Engine autoscaling.")
+    zmq_curve_secret: CurveKeySecret | None = Field(
+        default=None,
+        alias="zmqCurveSecret",
+        description="Secret key holding the fleet's CURVE key file (python -m shoal_protos.curve): "
+        "router-engine ZeroMQ frames are encrypted and only fleet members connect; unset: plain.",
+    )
 
 
 class Condition(_Spec):

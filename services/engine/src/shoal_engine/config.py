@@ -67,6 +67,10 @@ class EngineConfig(BaseModel):
     output_hwm: int = Field(default=10_000, ge=1)
     """ZeroMQ high-water mark of each output socket (batches queued per router)."""
 
+    zmq_curve_key_file: str | None = None
+    """The fleet's CURVE key file (``shoal_protos.curve``): router-engine frames are encrypted
+    and only fleet members connect. None: plain ZeroMQ."""
+
     migration: bool = False
     """Load Shoal's KV connector so running requests can move to other engines with their KV
     (needs ``control_port`` and ``kv_port``)."""

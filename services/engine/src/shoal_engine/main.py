@@ -35,6 +35,7 @@ from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration import EngineControlServicer, MigrationError, MigrationManager
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
+from shoal_protos import curve
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
@@ -71,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument(
         "--migration-precopy-mib-per-s", type=int, default=0, help="pace pre-copy stages (0: unpaced)"
     )
+    parser.add_argument(
+        "--zmq-curve-key-file",
+        help="the fleet's CURVE key file (encrypted frames, members only)",
+    )
     args = parser.parse_args(argv)
     return EngineConfig(
         model=args.model,
@@ -98,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,
         migration_precopy_mib_per_s=args.migration_precopy_mib_per_s,
         migration_step_timeout_s=args.migration_step_timeout,
+        zmq_curve_key_file=args.zmq_curve_key_file,
     )
 
 
@@ -193,6 +199,8 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         if not fatal.done():
             fatal.set_result(exc)
 
+    # A bad key file fails here, before minutes of model loading.
+    curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
     logger.info("loading %s with vLLM", config.model)
     started = time.monotonic()
     info = await backend.start()
@@ -200,11 +208,13 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     logger.info("model loaded in %.1f s (max_model_len=%d)", time.monotonic() - started, info.max_model_len)
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+    authenticator = curve.start_authenticator(ctx, curve_keys) if curve_keys is not None else None
     # A router whose link drops is gone: its requests are aborted (on the loop, which owns them).
     sender = OutputSender(
         ctx,
         config.output_hwm,
         on_router_lost=lambda reply_to: loop.call_soon_threadsafe(service.router_lost, reply_to),
+        curve_keys=curve_keys,
     )
     service = EngineService(config.engine_id, backend, sender.send, metrics, on_fatal)
 
@@ -215,7 +225,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             sender.connect(message.reply_to)
         service.on_request(message)
 
-    receiver = RequestReceiver(ctx, zmq_address, loop, on_request)
+    receiver = RequestReceiver(ctx, zmq_address, loop, on_request, curve_keys)
     sender.start()
     receiver.start()
 
@@ -338,6 +348,8 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     await redis_client.aclose()
     receiver.stop()
     sender.stop()
+    if authenticator is not None:
+        authenticator.stop()
     ctx.destroy(linger=0)  # the threads closed their sockets; never wait on a straggler
     http.should_exit = True
     await http_task

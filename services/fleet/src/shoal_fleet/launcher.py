@@ -37,6 +37,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from supervisor.xmlrpc import SupervisorTransport
 
+from shoal_protos import curve
 from shoal_protos.records import EngineState, Keys, engine_record_decoder
 
 
@@ -67,6 +68,9 @@ class FleetConfig:
     """Engine i serves gRPC EngineControl on this port + i."""
     engine_kv_base_port: int = 5900
     """Engine i's KV agent takes this port + 2i (data) and + 2i + 1 (control)."""
+    zmq_curve_key_file: Path | None = None
+    """The fleet's CURVE key file (``shoal_protos.curve``): router-engine frames are encrypted and
+    only fleet members connect. None: plain ZeroMQ."""
     migration: bool = True
     """Engines load the KV connector and can move running requests to each other."""
     migration_step_timeout_s: float = 10.0
@@ -136,6 +140,19 @@ def _program(
     if env_line:
         lines.append(f"environment={env_line}")
     return "\n".join(lines) + "\n"
+
+
+def _curve_args(cfg: FleetConfig) -> list[str]:
+    return ["--zmq-curve-key-file", str(cfg.zmq_curve_key_file)] if cfg.zmq_curve_key_file else []
+
+
+def write_curve_key(path: Path) -> Path:
+    """A new fleet CURVE key file at ``path`` (readable by its owner only), unless one is there."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(curve.generate())
+    return path
 
 
 def supervisord_config(cfg: FleetConfig) -> str:
@@ -252,6 +269,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
             ]
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]
+        command += _curve_args(cfg)
         env = {
             **common_env,
             "VLLM_TARGET_DEVICE": "cpu",
@@ -291,6 +309,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 str(cfg.router_port),
                 "--zmq-port",
                 str(cfg.router_zmq_port),
+                *_curve_args(cfg),
             ],
             logs / "router.log",
             common_env,

@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shoal_fleet.launcher import Fleet, FleetConfig, FleetError
+from shoal_fleet.launcher import Fleet, FleetConfig, FleetError, write_curve_key
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
@@ -55,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         help="let vLLM compile the model graph (slower start; off by default on the CPU)",
     )
     parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
+    parser.add_argument(
+        "--zmq-curve",
+        action="store_true",
+        help="encrypt router-engine ZeroMQ with CURVE (a fleet key is made in the run dir)",
+    )
     args = parser.parse_args(argv)
     if args.model in MODELS:
         folder, name = MODELS[args.model]
@@ -81,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         kv_cache_gib=args.kv_cache_gib,
         dtype=args.dtype or ("float32" if args.model == "tiny" else "bfloat16"),
         restart=not args.no_restart,
+        zmq_curve_key_file=write_curve_key(args.run_dir.resolve() / "fleet.key") if args.zmq_curve else None,
         enforce_eager=not args.compile,
     )
 

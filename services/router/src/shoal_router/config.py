@@ -52,6 +52,10 @@ class RouterConfig(BaseModel):
     queue_timeout_s: float = Field(default=30.0, gt=0.0)
     """Longest wait for a slot; then 429 with ``Retry-After``."""
 
+    zmq_curve_key_file: str | None = None
+    """The fleet's CURVE key file (``shoal_protos.curve``): frames to and from engines are
+    encrypted and only fleet members connect. None: plain ZeroMQ."""
+
     engine_send_hwm: int = Field(default=10_000, ge=1)
     """Frames queued per engine socket before the engine counts as overloaded (503)."""
 

@@ -19,6 +19,7 @@ import uvloop
 import zmq.asyncio
 from fastapi import FastAPI
 
+from shoal_protos import curve
 from shoal_protos.records import Keys, state_client
 from shoal_router.api.app import create_app
 from shoal_router.api.auth import KeyFile
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "--key-tpm", type=int, default=0, help="tokens per minute per API key (0: none; tpm= in the file)"
     )
     parser.add_argument(
+        "--zmq-curve-key-file", help="the fleet's CURVE key file (encrypted frames, members only)"
+    )
+    parser.add_argument(
         "--redis-restart-grace",
         type=float,
         default=10.0,
@@ -84,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         queue_timeout_s=args.queue_timeout,
         max_dispatch_attempts=args.max_attempts,
         redis_restart_grace_s=args.redis_restart_grace,
+        zmq_curve_key_file=args.zmq_curve_key_file,
         key_requests_per_minute=args.key_rpm,
         key_tokens_per_minute=args.key_tpm,
     )
@@ -94,6 +99,11 @@ def build_app(config: RouterConfig) -> FastAPI:
     asyncio objects belong to the loop they were made on)."""
     metrics = RouterMetrics()
     ctx = zmq.asyncio.Context()
+    curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
+    # The ZAP handler runs on a thread: it gets a plain context sharing this one's libzmq context.
+    authenticator = (
+        curve.start_authenticator(zmq.Context.shadow(ctx.underlying), curve_keys) if curve_keys else None
+    )
 
     def link_changed(engine_id: str, up: bool) -> None:
         view = fleet.engines.get(engine_id)
@@ -106,6 +116,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         config.engine_send_hwm,
         on_link=link_changed,
         metrics=metrics,
+        curve_keys=curve_keys,
     )
     redis_client = state_client(config.redis_url, config.redis_timeout_s)
 
@@ -154,6 +165,8 @@ def build_app(config: RouterConfig) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             await engines.aclose()
             # destroy, not term: term would wait forever on any socket still open.
+            if authenticator is not None:
+                authenticator.stop()
             ctx.destroy(linger=0)
             await tokenizer.close()
             await redis_client.aclose()

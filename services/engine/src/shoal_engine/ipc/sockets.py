@@ -11,6 +11,9 @@ decoding, encoding and sending are kept off it, as vLLM's ``EngineCoreProc`` kee
 its model loop; pyzmq releases the GIL while it waits and copies, so these threads cost the loop
 little. Each socket is touched by exactly one thread (ZeroMQ sockets are not thread-safe).
 
+With a fleet key (``shoal_protos.curve``) both sockets speak CURVE: frames are encrypted and
+only fleet members connect.
+
 The sender watches the TCP link of each router's socket: when an established link drops (the
 router process died or closed its socket), ``on_router_lost`` gets the router's address, and
 the engine aborts that router's requests (nothing keeps generating for clients that are gone).
@@ -30,6 +33,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from shoal_protos import curve
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -63,8 +67,11 @@ class RequestReceiver:
         address: str,
         loop: asyncio.AbstractEventLoop,
         on_request: Callable[[AddRequest | AbortRequest], None],
+        curve_keys: curve.CurveKeys | None = None,
     ) -> None:
         self._socket = ctx.socket(zmq.PULL)
+        if curve_keys is not None:
+            curve.serve(self._socket, curve_keys)
         self._socket.bind(address)
         self._loop = loop
         self._on_request = on_request
@@ -113,9 +120,11 @@ class OutputSender:
         ctx: zmq.Context[zmq.Socket[bytes]],
         hwm: int,
         on_router_lost: Callable[[str], None] | None = None,
+        curve_keys: curve.CurveKeys | None = None,
     ) -> None:
         self._ctx = ctx
         self._hwm = hwm
+        self._curve_keys = curve_keys
         self._on_router_lost = on_router_lost
         self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._poller = zmq.Poller()
@@ -165,6 +174,8 @@ class OutputSender:
                     sock.setsockopt(zmq.SNDHWM, self._hwm)
                     # Do not hang shutdown on a router that went away.
                     sock.setsockopt(zmq.LINGER, 1000)
+                    if self._curve_keys is not None:
+                        curve.connect_as_member(sock, self._curve_keys)
                     try:
                         sock.connect(reply_to)
                     except zmq.ZMQError as exc:

@@ -17,6 +17,9 @@ Each engine socket is monitored: when its TCP link drops (the engine process die
 the engine's requests fail at once with ``engine_lost`` (their handlers continue them on another
 engine) and ``on_link`` takes it out of dispatch until the link comes back; the Redis heartbeat
 is the slower backstop for engines that hang.
+
+With the fleet's CURVE key (``shoal_protos.curve``), both directions are encrypted and only
+fleet members connect.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from shoal_protos import curve
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -84,8 +88,10 @@ class EngineClient:
         send_hwm: int,
         on_link: Callable[[str, bool], None],
         metrics: RouterMetrics | None = None,
+        curve_keys: curve.CurveKeys | None = None,
     ) -> None:
         self.reply_to = reply_to
+        self._curve_keys = curve_keys
         self._metrics = metrics
         self._ctx = ctx
         self._on_link = on_link
@@ -99,6 +105,8 @@ class EngineClient:
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._requests: dict[str, _Tracked] = {}
         self._pull = ctx.socket(zmq.PULL)
+        if curve_keys is not None:
+            curve.serve(self._pull, curve_keys)
         self._pull.bind(reply_to)
 
     @property
@@ -123,6 +131,8 @@ class EngineClient:
         sock = self._push_ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve_keys is not None:
+            curve.connect_as_member(sock, self._curve_keys)
         # Watch the TCP link: a local engine that dies drops it at once, long before its
         # Redis heartbeat expires.
         # A fresh inproc name per link: a closed socket's monitor may still hold the last one.
