@@ -11,7 +11,11 @@ client, as it talks to an API server. Measured, each ``--repeats`` times (median
   case); Shoal compares first and must write nothing;
 * **blind apply** (the baseline, same run, same client): what an operator that re-applies every
   child on each pass does: one merge patch per child and one for the status;
-* **scale**: the engine count changed, one StatefulSet patch.
+* **scale up**: the engine count grew, one Deployment patch;
+* **scale down**: the engine count shrank by one: the engine pods are listed (``--engines`` of
+  them, as the ReplicaSet would have made them), the least loaded is chosen from a load table
+  (what Redis holds in a fleet), marked with its pod-deletion-cost, then the Deployment patched
+  (no drainer: draining is the engines' work, timed in the migration benchmarks).
 
 API calls are counted on the server side; writes are POST, PATCH, PUT and DELETE. Results go
 between ``<!-- operator:begin -->`` and ``<!-- operator:end -->`` of ``docs/benchmarks.md``.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import threading
 import time
@@ -34,6 +39,7 @@ from report import update_section
 from shoal_operator.children import Cluster, render
 from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import CLUSTER_API_VERSION, Reconciler
+from shoal_operator.scale import EngineLoad
 from shoal_operator.spec import KIND, PLURAL, InferenceClusterSpec
 
 BEGIN, END = "<!-- operator:begin -->", "<!-- operator:end -->"
@@ -146,14 +152,16 @@ async def measure(api: kmock.KubernetesEmulator, engines: int, repeats: int) -> 
     kube = Kube(kopf.ConnectionInfo(server=str(api.url).rstrip("/"), insecure=True))
     counter = Counter(api)
     cluster_key = (f"{CLUSTER_API_VERSION}/{PLURAL}", NS, NAME)
+    loads = TableLoads(engines)
     create, steady = Case("create (every child missing)"), Case("steady: Shoal (compare, write nothing)")
-    blind, scale = Case("steady: blind apply (baseline)"), Case("scale (engine count changed)")
+    blind = Case("steady: blind apply (baseline)")
+    grow, shrink = Case("scale up (one engine more)"), Case("scale down (least-loaded engine chosen)")
     try:
         for _ in range(repeats):
             for key in [k for k in api.objects if k[0].plural != PLURAL]:
                 del api.objects[key]
             api.objects[cluster_key] = _cluster(engines)
-            reconciler = Reconciler(kube)
+            reconciler = Reconciler(kube, loads=loads)
             await create.time(counter, reconciler.reconcile(NS, NAME))
         say(create)
         status = ((await kube.get(CLUSTER_API_VERSION, KIND, NS, NAME)) or {}).get("status", {})
@@ -163,14 +171,51 @@ async def measure(api: kmock.KubernetesEmulator, engines: int, repeats: int) -> 
         for _ in range(repeats):
             await blind.time(counter, blind_apply(kube, engines, status))
         say(blind)
-        for step in range(repeats):
-            replicas = engines - 1 - step % 2  # alternate: every pass is a real change
-            api.objects[cluster_key].patch({"spec": {"engine": {"replicas": replicas}}})
-            await scale.time(counter, reconciler.reconcile(NS, NAME))
-        say(scale)
+        add_engine_pods(api, engines)
+        for _ in range(repeats):
+            api.objects[cluster_key].patch({"spec": {"engine": {"replicas": engines - 1}}})
+            await shrink.time(counter, reconciler.reconcile(NS, NAME))
+            api.objects[cluster_key].patch({"spec": {"engine": {"replicas": engines}}})
+            await grow.time(counter, reconciler.reconcile(NS, NAME))
+        say(grow)
+        say(shrink)
     finally:
         await kube.close()
-    return [create, steady, blind, scale]
+    return [create, steady, blind, grow, shrink]
+
+
+class TableLoads:
+    """Engine loads from a fixed table, where a fleet's Redis would give them."""
+
+    def __init__(self, engines: int, seed: int = 7) -> None:
+        rng = random.Random(seed)
+        self.loads = {
+            _pod_name(i): EngineLoad(running=rng.randint(0, 64), kv_blocks_used=rng.randint(0, 4096))
+            for i in range(engines)
+        }
+
+    async def engine_loads(self, cluster: Cluster) -> dict[str, EngineLoad]:
+        return self.loads
+
+
+def _pod_name(i: int) -> str:
+    return f"{NAME}-engine-7d9f8c6b5-{i:05d}"
+
+
+def add_engine_pods(api: kmock.KubernetesEmulator, engines: int) -> None:
+    """The engine pods the ReplicaSet would run: ready, each with its address."""
+    labels = {"app.kubernetes.io/instance": NAME, "app.kubernetes.io/component": "engine"}
+    for i in range(engines):
+        api.objects["v1/pods", NS, _pod_name(i)] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": _pod_name(i), "namespace": NS, "labels": labels},
+            "status": {
+                "phase": "Running",
+                "podIP": f"10.2.{i // 250}.{i % 250 + 1}",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
 
 
 def say(case: Case) -> None:

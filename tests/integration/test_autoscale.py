@@ -11,9 +11,10 @@ import kmock as kmock_lib
 import kopf
 import pytest
 import redis.asyncio as aioredis
-from shoal_operator.autoscale import LAST_SCALE_ANNOTATION, STALE_S, Autoscaler, read_load
+from shoal_operator.autoscale import LAST_SCALE_ANNOTATION, STALE_S, Autoscaler, read_engine_loads, read_load
 from shoal_operator.children import Cluster
 from shoal_operator.kube import Kube
+from shoal_operator.scale import EngineLoad
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
@@ -68,6 +69,18 @@ async def test_load_counts_only_active_engines_with_fresh_reports(client: aiored
     assert load.engines == 2
     assert load.kv_usage == pytest.approx(1200 / 2000)
     assert load.queue_per_engine == pytest.approx((8 + 4) / 2)
+
+
+async def test_engine_loads_name_each_engine_with_its_state(client: aioredis.Redis) -> None:
+    """What a scale-down chooses from: every engine with a fresh report, DRAINING ones too."""
+    await _engine(client, "e0", used=800, free=200)
+    await _engine(client, "e1", used=400, free=600, state="DRAINING")
+    await _engine(client, "e2", used=100, free=900, age_s=STALE_S + 5)  # stopped reporting
+    loads = await read_engine_loads(client, CLUSTER_ID, time.time())
+    assert loads == {
+        "e0": EngineLoad(state="ACTIVE", waiting=8, kv_blocks_used=800, kv_blocks_free=200),
+        "e1": EngineLoad(state="DRAINING", waiting=4, kv_blocks_used=400, kv_blocks_free=600),
+    }
 
 
 def _cluster(replicas: int, annotations: dict[str, str] | None = None) -> dict[str, Any]:

@@ -1,8 +1,8 @@
-"""Scale-down by migration with real engines (a local fleet; no Kubernetes): the engine a
-StatefulSet going from 2 to 1 replicas would remove is emptied while streams run, and every
-stream completes exactly once. Both ways a pod is drained are run: the operator's drainer (gRPC
-``Drain``, before it lowers ``replicas``) and the pod's preStop hook (HTTP ``GET /drain`` on the
-engine, before its SIGTERM).
+"""Scale-down by migration with real engines (a local fleet; no Kubernetes): the engine chosen
+for removal from the load the engines report in Redis (the least loaded) is emptied while
+streams run, and every stream completes exactly once. Both ways a pod is drained are run: the
+operator's drainer (gRPC ``Drain``, before it lowers ``replicas``) and the pod's preStop hook
+(HTTP ``GET /drain`` on the engine, before its SIGTERM).
 
 The drained engine leaves the rotation (DRAINING in Redis) and moves its requests to the other
 engine. No shutdown follows here (nothing deletes a pod), so it returns to service by itself
@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
+from shoal_operator import scale
+from shoal_operator.autoscale import read_engine_loads
 from shoal_operator.children import Cluster
-from shoal_operator.drain import Drained, GrpcDrainer, leaving
+from shoal_operator.drain import Drained, GrpcDrainer
+from shoal_operator.scale import EngineLoad, Leaving
 from shoal_operator.spec import InferenceClusterSpec
 
 from tests.integration.support import GREEDY_IDS, RunningFleet, async_client, greedy_ids, wait_until
@@ -33,6 +38,27 @@ STREAMS, MAX_TOKENS = 6, 160
 def _states(fleet: RunningFleet) -> dict[str, str]:
     engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=5).json()["engines"]
     return engines
+
+
+async def _reported_loads(fleet: RunningFleet, engines: list[str], timeout_s: float) -> dict[str, EngineLoad]:
+    """The engines' loads as the operator reads them, once every engine reports running requests."""
+    client = aioredis.Redis.from_url(fleet.cfg.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            loads = await read_engine_loads(client, fleet.cfg.cluster, time.time())
+            if all(e in loads and loads[e].running > 0 for e in engines):
+                return loads
+            assert time.monotonic() < deadline, f"no report of running requests from every engine: {loads}"
+            await asyncio.sleep(0.1)
+    finally:
+        await client.aclose()
+
+
+def _running_pod(name: str) -> dict[str, Any]:
+    """The engine's pod as the API server would list it: running and ready."""
+    status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    return {"metadata": {"name": name}, "status": status}
 
 
 async def _prestop_drain(http_address: str, pod: str) -> Drained:
@@ -59,13 +85,6 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
             {"model": {"source": "SmolLM2", "servedName": smol_fleet.model}, "engine": {"replicas": 1}}
         ),
     )
-    (pod,) = leaving(cluster, present=2, wanted=1)
-    victim = engines[int(pod.rsplit("-", 1)[1])]  # the pod's ordinal is the engine's index
-    record = smol_fleet.engine_record(victim)
-    assert record is not None and record.control_address
-    control = record.control_address
-    drainer = GrpcDrainer(address=lambda _cluster, _pod: control, rejoin_after_s=REJOIN_AFTER_S)
-
     client = async_client(smol_fleet)
     prompts = [[900 + 13 * i + j for j in range(5)] for i in range(STREAMS)]
 
@@ -93,12 +112,24 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
 
     tasks = [asyncio.create_task(streamed(i)) for i in range(STREAMS)]
     await asyncio.wait_for(started.wait(), 120)
-    assert victim in on.values(), on  # the router spreads six streams over both engines
+    assert set(on.values()) == set(engines), on  # the router spreads six streams over both engines
+
+    # The operator's choice: the engines' own load reports, read from Redis as the operator
+    # reads them, once both report the streams they run. The engine id is the pod's name.
+    loads = await _reported_loads(smol_fleet, engines, 30.0)
+    pods = [_running_pod(engine) for engine in engines]
+    (chosen,) = scale.choose(pods, loads, 1)
+    victim = chosen["metadata"]["name"]
+    requests = {e: loads[e].running + loads[e].waiting for e in engines}
+    assert requests[victim] == min(requests.values()), (victim, loads)
+    record = smol_fleet.engine_record(victim)
+    assert record is not None and record.control_address
+    drainer = GrpcDrainer(rejoin_after_s=REJOIN_AFTER_S)
     asked_at = time.monotonic()
     if asked_by == "operator":
-        (drained,) = await drainer.drain(cluster, [pod])
+        (drained,) = await drainer.drain(cluster, [Leaving(victim, record.control_address)])
     else:
-        drained = await _prestop_drain(record.http_address, pod)
+        drained = await _prestop_drain(record.http_address, victim)
     drained_at = time.monotonic()
     # Out of the rotation and empty: nothing new reaches it, nothing runs on it.
     assert drained.error == "" and drained.remaining == 0, drained

@@ -74,10 +74,9 @@ def test_every_child_is_a_valid_kubernetes_object_owned_by_the_cluster(sample: P
 def test_engines_follow_the_spec() -> None:
     cluster = cluster_of(ROOT / "operator" / "samples" / "minimal.yaml")
     rendered = children.render(cluster)
-    engines = one(rendered, "StatefulSet", "engine")
+    engines = one(rendered, "Deployment", "engine")
     spec = engines["spec"]
     assert spec["replicas"] == cluster.spec.engine.replicas == 2
-    assert spec["serviceName"] == one(rendered, "Service", "engine")["metadata"]["name"]
     assert one(rendered, "Service", "engine")["spec"]["clusterIP"] == "None"
     # The selector matches the pods, and the scale subresource's selector string says the same.
     labels = spec["template"]["metadata"]["labels"]
@@ -125,7 +124,7 @@ def test_engines_follow_the_spec() -> None:
 
 def test_gpu_engines_ask_for_gpus_and_the_router_gets_its_ingress() -> None:
     rendered = children.render(cluster_of(ROOT / "operator" / "samples" / "gpu-autoscaled.yaml"))
-    (container,) = one(rendered, "StatefulSet", "engine")["spec"]["template"]["spec"]["containers"]
+    (container,) = one(rendered, "Deployment", "engine")["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "VLLM_CPU_KVCACHE_SPACE" not in env_of(container)
     assert container["args"][container["args"].index("--kv-transport") + 1] == "nccl"
@@ -139,8 +138,7 @@ def test_external_redis_comes_from_the_secret_and_no_redis_is_run() -> None:
     rendered = children.render(cluster_of(ROOT / "operator" / "samples" / "external-redis.yaml"))
     assert [c for c in rendered if c["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"] == []
     for component in ("engine", "router"):
-        kind = "StatefulSet" if component == "engine" else "Deployment"
-        (container,) = one(rendered, kind, component)["spec"]["template"]["spec"]["containers"]
+        (container,) = one(rendered, "Deployment", component)["spec"]["template"]["spec"]["containers"]
         assert env_of(container)["REDIS_URL"] == {"secretKeyRef": {"name": "fleet-redis", "key": "url"}}
 
 
@@ -237,7 +235,7 @@ def test_the_curve_key_reaches_routers_and_engines_from_its_secret() -> None:
     obj["spec"]["zmqCurveSecret"] = {"name": "fleet-curve"}
     cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
     rendered = children.render(cluster)
-    for kind, component in (("Deployment", "router"), ("StatefulSet", "engine")):
+    for kind, component in (("Deployment", "router"), ("Deployment", "engine")):
         workload = one(rendered, kind, component)
         kubernetes_validate.validate(workload, kubernetes_validate.latest_version(), strict=True)
         pod = workload["spec"]["template"]["spec"]
@@ -252,7 +250,7 @@ def test_the_curve_key_reaches_routers_and_engines_from_its_secret() -> None:
         (mount,) = [m for m in container["volumeMounts"] if m["name"] == "zmq-curve-key"]
         assert mount["readOnly"] and mount["mountPath"] == "/etc/shoal/zmq-curve-key"
     plain = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
-    for kind, component in (("Deployment", "router"), ("StatefulSet", "engine")):
+    for kind, component in (("Deployment", "router"), ("Deployment", "engine")):
         assert (
             "--zmq-curve-key-file"
             not in one(plain, kind, component)["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -3,8 +3,8 @@ run on these machines): the reconciler through its real HTTP client, and the kop
 running in-process with kopf's real watch streams.
 
 kmock stores objects and serves list, watch, get, create, merge-patch and delete; it does not
-run Kubernetes' controllers, so nothing fills a StatefulSet's status or garbage-collects owned
-objects unless a test does it.
+run Kubernetes' controllers, so nothing fills a Deployment's status, makes pods or
+garbage-collects owned objects unless a test does it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ from shoal_operator.drain import Drained
 from shoal_operator.handlers import CHILD_RESOURCES, register
 from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import Reconciler
+from shoal_operator.scale import DELETION_COST_ANNOTATION, EngineLoad, Leaving
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 NS, NAME, UID = "serving", "smol", "7d0c6a52-0b5e-4b1b-9a57-4c0e1f7b2c11"
 CLUSTERS = f"{GROUP}/{VERSION}/{PLURAL}"
-ENGINES = "apps/v1/statefulsets"
+ENGINES = "apps/v1/deployments"
+STATEFULSETS = "apps/v1/statefulsets"
+PODS = "v1/pods"
 _ALL = {"get", "list", "watch", "create", "patch", "delete"}
 _CHILD_PLURALS = {plural for _, plural in CHILD_RESOURCES} | {"servicemonitors", "secrets"}
 
@@ -118,7 +121,7 @@ async def reconciler(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[Reconci
 
 EXPECTED_CHILDREN = {
     "ConfigMap/smol-config",
-    "StatefulSet/smol-engine", "Service/smol-engine",
+    "Deployment/smol-engine", "Service/smol-engine",
     "PodDisruptionBudget/smol-engine", "NetworkPolicy/smol-engine",
     "Deployment/smol-router", "Service/smol-router", "PodDisruptionBudget/smol-router",
     "Deployment/smol-tokenizer", "Service/smol-tokenizer", "NetworkPolicy/smol-tokenizer",
@@ -138,7 +141,7 @@ async def test_create_makes_every_child_owned_by_the_cluster(
         (owner,) = child["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (KIND, NAME, UID, True)
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "shoal-operator"
-    assert children["StatefulSet/smol-engine"]["spec"]["replicas"] == 2
+    assert children["Deployment/smol-engine"]["spec"]["replicas"] == 2
     status = api.objects[CLUSTERS, NS, NAME]["status"]
     assert status["observedGeneration"] == 1 and status["ready"] == "False"
     assert {c["type"]: c["reason"] for c in status["conditions"]}["EnginesReady"] == "Starting"
@@ -158,7 +161,7 @@ async def test_a_reconcile_that_changes_nothing_writes_nothing(
     assert _children(api)["Secret/smol-redis-auth"]["data"]["password"] == password
 
 
-async def test_replica_change_patches_only_the_statefulset(
+async def test_replica_change_patches_only_the_engine_deployment(
     api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
 ) -> None:
     api.objects[CLUSTERS, NS, NAME] = _cluster()
@@ -168,10 +171,10 @@ async def test_replica_change_patches_only_the_statefulset(
     )
     before = len(_requests(api))
     outcome = await reconciler.reconcile(NS, NAME)
-    assert outcome.patched == ["StatefulSet/smol-engine"] and outcome.created == []
-    assert _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 4
+    assert outcome.patched == ["Deployment/smol-engine"] and outcome.created == []
+    assert _children(api)["Deployment/smol-engine"]["spec"]["replicas"] == 4
     assert _writes(api, before) == [
-        f"PATCH /apis/apps/v1/namespaces/{NS}/statefulsets/smol-engine",
+        f"PATCH /apis/apps/v1/namespaces/{NS}/deployments/smol-engine",
         f"PATCH /apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}/status",  # observedGeneration 2
     ]
 
@@ -195,9 +198,11 @@ async def test_deleted_and_edited_children_are_put_back(
 async def test_status_follows_the_children(api: kmock_lib.KubernetesEmulator, reconciler: Reconciler) -> None:
     api.objects[CLUSTERS, NS, NAME] = _cluster()
     await reconciler.reconcile(NS, NAME)
-    # What the StatefulSet, Deployment and Redis controllers would report once pods are up.
-    api.objects[ENGINES, NS, "smol-engine"].patch({"status": {"replicas": 2, "readyReplicas": 2}})
-    api.objects[ENGINES, NS, "smol-redis"].patch({"status": {"replicas": 1, "readyReplicas": 1}})
+    # What the Deployment and StatefulSet controllers would report once pods are up.
+    api.objects[ENGINES, NS, "smol-engine"].patch(
+        {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}
+    )
+    api.objects[STATEFULSETS, NS, "smol-redis"].patch({"status": {"replicas": 1, "readyReplicas": 1}})
     api.objects["apps/v1/deployments", NS, "smol-router"].patch(
         {"status": {"replicas": 1, "readyReplicas": 1}}
     )
@@ -246,11 +251,12 @@ async def test_service_monitor_only_when_its_crd_exists(
 
 
 class DrainCall(NamedTuple):
-    """One drain, with the engine StatefulSet and the cluster's Draining condition at that moment."""
+    """One drain, with the engine Deployment, the pods' deletion costs and the cluster's
+    Draining condition at that moment."""
 
-    pods: list[str]
+    engines: list[Leaving]
     replicas: int
-    partition: int
+    deletion_costs: dict[str, str]
     status: str
     reason: str
 
@@ -263,118 +269,147 @@ class RecordingDrainer:
         self.api = api
         self.calls: list[DrainCall] = []
 
-    async def drain(self, cluster: Cluster, pods: list[str]) -> list[Drained]:
+    async def drain(self, cluster: Cluster, engines: list[Leaving]) -> list[Drained]:
         spec = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]
         draining = next(
             c for c in self.api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Draining"
         )
-        partition = spec["updateStrategy"]["rollingUpdate"]["partition"]
-        self.calls.append(
-            DrainCall(pods, spec["replicas"], partition, draining["status"], draining["reason"])
-        )
-        return [Drained(pod, migrated=2) for pod in pods]
+        costs = {
+            name: pod["metadata"]["annotations"][DELETION_COST_ANNOTATION]
+            for (resource, _ns, name), pod in self.api.objects.items()
+            if resource.plural == "pods"
+            and DELETION_COST_ANNOTATION in pod["metadata"].get("annotations", {})
+        }
+        self.calls.append(DrainCall(engines, spec["replicas"], costs, draining["status"], draining["reason"]))
+        return [Drained(engine.pod, migrated=2) for engine in engines]
 
 
-async def test_scale_down_drains_the_leaving_engines_before_the_statefulset_shrinks(
+class TableLoads:
+    """Engine loads from a table, at the operator's own seam (the real reader is Redis, read in
+    ``tests/integration/test_scale_down.py``)."""
+
+    def __init__(self, loads: dict[str, EngineLoad]) -> None:
+        self.loads = loads
+
+    async def engine_loads(self, cluster: Cluster) -> dict[str, EngineLoad]:
+        return dict(self.loads)
+
+
+def _engine_pods(api: kmock_lib.KubernetesEmulator, names: list[str]) -> None:
+    """Running, ready engine pods, as the engine ReplicaSet would make them."""
+    template = copy.deepcopy(_children(api)["Deployment/smol-engine"]["spec"]["template"])
+    for i, name in enumerate(names):
+        api.objects[PODS, NS, name] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+            "status": {
+                "phase": "Running",
+                "podIP": f"10.1.0.{i + 1}",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+    # An unrelated pod in the namespace (kmock ignores label selectors: the operator filters too).
+    api.objects[PODS, NS, "someone-else"] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "someone-else", "namespace": NS, "labels": {"app": "other"}},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+async def test_scale_down_marks_and_drains_the_least_loaded_engines_before_the_deployment_shrinks(
     api: kmock_lib.KubernetesEmulator,
 ) -> None:
     kube = Kube(_info(api))
     drainer = RecordingDrainer(api)
-    reconciler = Reconciler(kube, drainer)
+    loads = TableLoads(
+        {
+            "smol-engine-a": EngineLoad(running=6),
+            "smol-engine-b": EngineLoad(running=1, kv_blocks_used=40),
+            "smol-engine-c": EngineLoad(running=9, waiting=3),
+            "smol-engine-d": EngineLoad(running=1, kv_blocks_used=10),
+            "someone-else": EngineLoad(),  # never a candidate: not an engine pod of this cluster
+        }
+    )
+    reconciler = Reconciler(kube, drainer, loads=loads)
     try:
         api.objects[CLUSTERS, NS, NAME] = _cluster(replicas=4)
         await reconciler.reconcile(NS, NAME)
         assert drainer.calls == []  # nothing leaves on creation
+        api.objects[ENGINES, NS, "smol-engine"].patch(
+            {"status": {"replicas": 4, "readyReplicas": 4, "updatedReplicas": 4}}
+        )
+        _engine_pods(api, ["smol-engine-a", "smol-engine-b", "smol-engine-c", "smol-engine-d"])
         scale_down = {"spec": {"engine": {"replicas": 2}}, "metadata": {"generation": 2}}
         api.objects[CLUSTERS, NS, NAME].patch(scale_down)
         outcome = await reconciler.reconcile(NS, NAME)
-        # The StatefulSet removes the highest ordinals: those drained, while it still had 4, with
+        # The two least loaded (d: 1 request and fewer KV blocks than b), marked for the
+        # ReplicaSet and drained at their pod addresses while the Deployment still had 4, with
         # the cluster saying Draining=True.
-        assert drainer.calls == [DrainCall(["smol-engine-3", "smol-engine-2"], 4, 0, "True", "ScaleDown")]
-        assert [d.pod for d in outcome.drained] == ["smol-engine-3", "smol-engine-2"]
-        assert _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 2
+        leaving = [Leaving("smol-engine-d", "10.1.0.4:5800"), Leaving("smol-engine-b", "10.1.0.2:5800")]
+        lowest = str(-(2**31))
+        assert drainer.calls == [
+            DrainCall(leaving, 4, {"smol-engine-d": lowest, "smol-engine-b": lowest}, "True", "ScaleDown")
+        ]
+        assert [d.pod for d in outcome.drained] == ["smol-engine-d", "smol-engine-b"]
+        assert _children(api)["Deployment/smol-engine"]["spec"]["replicas"] == 2
         before = len(_requests(api))
         await reconciler.reconcile(NS, NAME)
         assert len(drainer.calls) == 1  # a scale-down done is not drained again
-        path = f"/apis/apps/v1/namespaces/{NS}/statefulsets/smol-engine"
-        reads = [r for r in _requests(api)[before:] if r.method.value == "GET" and r.url.path == path]
-        assert len(reads) == 1  # read once per pass, for the drain check and the reconcile both
+        reads = [r for r in _requests(api)[before:] if r.method.value == "GET"]
+        assert not any(r.url.path.endswith("/pods") for r in reads)  # pods are listed only to shrink
     finally:
         await kube.close()
 
 
-class StatefulSetController:
-    """What Kubernetes' StatefulSet controller does with the engine StatefulSet, reduced to its
-    rolling-update rules (kmock runs no controllers): pods at or above the partition run the
-    current template, those below keep theirs, the highest ordinals go on a scale-down, and the
-    status reports the counts and both revisions. Every pod is ready at once."""
-
-    def __init__(self, api: kmock_lib.KubernetesEmulator) -> None:
-        self.api = api
-        self.pods: dict[int, str] = {}  # ordinal -> the image it runs (its revision)
-
-    def settle(self) -> None:
-        engines = self.api.objects[ENGINES, NS, "smol-engine"]
-        spec = engines["spec"]
-        replicas, partition = spec["replicas"], spec["updateStrategy"]["rollingUpdate"]["partition"]
-        update = spec["template"]["spec"]["containers"][0]["image"]
-        current = engines.get("status", {}).get("currentRevision") or update
-        self.pods = {i: update if i >= partition else self.pods.get(i, current) for i in range(replicas)}
-        updated = sum(image == update for image in self.pods.values())
-        engines.patch(
-            {
-                "status": {
-                    "replicas": replicas,
-                    "readyReplicas": replicas,
-                    "updatedReplicas": updated,
-                    "currentRevision": update if updated == replicas else current,
-                    "updateRevision": update,
-                }
-            }
-        )
-
-
-async def test_image_change_rolls_engines_with_a_surge_and_drains_each_before_it_is_replaced(
+async def test_image_change_rolls_engines_through_the_deployment_surge(
     api: kmock_lib.KubernetesEmulator,
 ) -> None:
+    """The Deployment controller surges (kmock runs none: the test sets the status it would
+    report); the operator drains nothing itself (old engines drain in their preStop hooks), says
+    Updating, and a scale-down asked for mid-rollout goes to the Deployment as is."""
     kube = Kube(_info(api))
     drainer = RecordingDrainer(api)
-    reconciler = Reconciler(kube, drainer)
-    controller = StatefulSetController(api)
+    reconciler = Reconciler(kube, drainer, loads=TableLoads({}))
+    engines_path = f"PATCH /apis/apps/v1/namespaces/{NS}/deployments/smol-engine"
     try:
         api.objects[CLUSTERS, NS, NAME] = _cluster(replicas=3)
         await reconciler.reconcile(NS, NAME)
-        controller.settle()
-        old = controller.pods[0]
+        deployment = api.objects[ENGINES, NS, "smol-engine"]
+        deployment.patch({"status": {"replicas": 3, "readyReplicas": 3, "updatedReplicas": 3}})
         api.objects[CLUSTERS, NS, NAME].patch(
             {"spec": {"engine": {"image": "shoal/engine:0.2.0"}}, "metadata": {"generation": 2}}
         )
-        ready_on_old_or_new: list[int] = []
-        for _ in range(12):
-            await reconciler.reconcile(NS, NAME)
-            controller.settle()
-            ready_on_old_or_new.append(len(controller.pods))
+        before = len(_requests(api))
+        await reconciler.reconcile(NS, NAME)
+        assert engines_path in _writes(api, before)
+        spec = _children(api)["Deployment/smol-engine"]["spec"]
+        assert spec["template"]["spec"]["containers"][0]["image"] == "shoal/engine:0.2.0"
+        assert spec["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+        def conditions() -> dict[str, str]:
             status = api.objects[CLUSTERS, NS, NAME]["status"]
-            updating = next(c for c in status["conditions"] if c["type"] == "Updating")
-            if updating["status"] == "False" and len(controller.pods) == 3:
-                break
-        assert set(controller.pods.values()) == {"shoal/engine:0.2.0"} and old != "shoal/engine:0.2.0"
-        # Surge engine 3 first; then each old engine drained while the partition still kept it
-        # (so it was empty when the controller replaced it); last, the surge engine leaves.
-        assert [(c.pods, c.replicas, c.partition, c.status, c.reason) for c in drainer.calls] == [
-            (["smol-engine-2"], 4, 3, "True", "RollingUpdate"),
-            (["smol-engine-1"], 4, 2, "True", "RollingUpdate"),
-            (["smol-engine-0"], 4, 1, "True", "RollingUpdate"),
-            (["smol-engine-3"], 4, 0, "True", "ScaleDown"),
-        ]
-        assert min(ready_on_old_or_new) >= 3  # capacity never below the spec's engine count
-        engines = _children(api)["StatefulSet/smol-engine"]["spec"]
-        assert (engines["replicas"], engines["updateStrategy"]["rollingUpdate"]["partition"]) == (3, 0)
-        await reconciler.reconcile(NS, NAME)  # the status takes in the last counts
+            return {c["type"]: c["status"] for c in status["conditions"]}
+
+        # Mid-rollout: one surge engine on the new template beside three old ones.
+        deployment.patch({"status": {"replicas": 4, "readyReplicas": 4, "updatedReplicas": 1}})
+        await reconciler.reconcile(NS, NAME)
+        assert (conditions()["Updating"], conditions()["Draining"]) == ("True", "False")
+        api.objects[CLUSTERS, NS, NAME].patch(
+            {"spec": {"engine": {"replicas": 2}}, "metadata": {"generation": 3}}
+        )
+        await reconciler.reconcile(NS, NAME)
+        assert _children(api)["Deployment/smol-engine"]["spec"]["replicas"] == 2
+        # Done: every pod on the new template, the old ones gone.
+        deployment.patch({"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}})
+        await reconciler.reconcile(NS, NAME)
+        assert (conditions()["Updating"], conditions()["Draining"]) == ("False", "False")
+        assert drainer.calls == []
         before = len(_requests(api))
         outcome = await reconciler.reconcile(NS, NAME)
-        assert outcome.writes == 0 and len(drainer.calls) == 4
-        assert _writes(api, before) == []
+        assert outcome.writes == 0 and _writes(api, before) == []
     finally:
         await kube.close()
 
@@ -415,20 +450,20 @@ async def _call(request: Awaitable[Any]) -> None:
 async def test_kopf_creates_children_and_puts_a_deleted_one_back(api: kmock_lib.KubernetesEmulator) -> None:
     await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
     await _eventually(lambda: set(_children(api)) == EXPECTED_CHILDREN, "every child exists")
-    await _call(api.delete(f"/apis/apps/v1/namespaces/{NS}/statefulsets/smol-engine"))
-    await _eventually(lambda: "StatefulSet/smol-engine" in _children(api), "the deleted StatefulSet is back")
+    await _call(api.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/smol-engine"))
+    await _eventually(lambda: "Deployment/smol-engine" in _children(api), "the deleted Deployment is back")
 
 
 @pytest.mark.usefixtures("operator")
-async def test_kopf_scale_change_reaches_the_statefulset(api: kmock_lib.KubernetesEmulator) -> None:
+async def test_kopf_scale_change_reaches_the_engine_deployment(api: kmock_lib.KubernetesEmulator) -> None:
     await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
-    await _eventually(lambda: "StatefulSet/smol-engine" in _children(api), "the engines exist")
+    await _eventually(lambda: "Deployment/smol-engine" in _children(api), "the engines exist")
     url = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"
     headers = {"Content-Type": "application/merge-patch+json"}
     await _call(api.patch(url, json={"spec": {"engine": {"replicas": 3}}}, headers=headers))
     await _eventually(
-        lambda: _children(api)["StatefulSet/smol-engine"]["spec"]["replicas"] == 3,
-        "the StatefulSet has 3 replicas",
+        lambda: _children(api)["Deployment/smol-engine"]["spec"]["replicas"] == 3,
+        "the engine Deployment has 3 replicas",
     )
 
 

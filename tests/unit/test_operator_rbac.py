@@ -59,7 +59,9 @@ def test_every_call_the_operator_makes_is_allowed_and_no_delete() -> None:
             assert group == GROUP and _allows(rules, group, f"{PLURAL}/status", "patch")
             assert _allows(rules, group, PLURAL, "get") and _allows(rules, group, PLURAL, "patch")
             continue
-        verbs = ("get",) if plural == "secrets" else ("get", "create", "patch")
+        # Secrets: read (and the generated one created, tested below); engine pods: listed and
+        # marked for removal in a scale-down.
+        verbs = {"secrets": ("get",), "pods": ("list", "patch")}.get(plural, ("get", "create", "patch"))
         for verb in verbs:
             assert _allows(rules, group, plural, verb), (api_version, plural, verb)
     # kopf watches the clusters and every child kind.

@@ -10,15 +10,17 @@ Scaling up goes straight to that size. Scaling down removes one engine at a time
 is a drain (its requests migrate to the others), and the next one waits for the cool-down, so
 the fleet never sheds more than it can absorb. Any change waits ``cooldownSeconds`` after the
 previous one, which is kept in an annotation on the cluster (it survives operator restarts).
-The change is a patch of ``spec.engine.replicas``; the reconciler does the rest (drain, then
-shrink). Nothing changes while the engines roll over to a new template. HPA or KEDA can drive
-the scale subresource instead, with ``autoscaling.enabled`` off.
+The change is a patch of ``spec.engine.replicas``; the reconciler does the rest (it picks the
+least-loaded engine, drains it, then shrinks). Nothing changes while the engines roll over to a
+new template. HPA or KEDA can drive the scale subresource instead, with ``autoscaling.enabled``
+off.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ from pydantic import ValidationError
 
 from shoal_operator.children import REDIS_AUTH_KEY, REDIS_PORT, Cluster, redis_auth_secret_name
 from shoal_operator.reconcile import CLUSTER_API_VERSION, Api, ApiError, Manifest
+from shoal_operator.scale import EngineLoad
 from shoal_operator.spec import KIND, AutoscalingSpec, EngineSpec, InferenceClusterSpec
 from shoal_protos.records import Keys, engine_record_decoder, load_report_decoder
 
@@ -70,77 +73,72 @@ def desired_replicas(
     return wanted
 
 
-async def read_load(client: aioredis.Redis, cluster_id: str, now: float) -> FleetLoad:
-    """The load of ``cluster_id``'s ACTIVE engines from their reports (stale ones left out)."""
+async def read_engine_loads(client: aioredis.Redis, cluster_id: str, now: float) -> dict[str, EngineLoad]:
+    """Every registered engine of ``cluster_id`` with a recent report, by engine id (its pod
+    name), whatever its state."""
     keys = Keys(cluster_id)
     ids = sorted(member.decode() for member in await client.smembers(keys.engines))
     if not ids:
-        return FleetLoad(engines=0)
+        return {}
     records = await client.mget([keys.engine(i) for i in ids])
     reports = await client.mget([keys.load(i) for i in ids])
-    used = total = waiting = engines = 0
-    for record_raw, report_raw in zip(records, reports, strict=True):
+    loads = {}
+    for engine_id, record_raw, report_raw in zip(ids, records, reports, strict=True):
         if record_raw is None or report_raw is None:
             continue
         try:
             record, report = engine_record_decoder.decode(record_raw), load_report_decoder.decode(report_raw)
         except msgspec.DecodeError:
             continue
-        if record.state != "ACTIVE" or now - report.time > STALE_S:
+        if now - report.time > STALE_S:
             continue
-        engines += 1
-        used += report.kv_blocks_used
-        total += report.kv_blocks_used + report.kv_blocks_free
-        waiting += report.num_waiting
-    if engines == 0:
+        loads[engine_id] = EngineLoad(
+            state=str(record.state),
+            running=report.num_running,
+            waiting=report.num_waiting,
+            kv_blocks_used=report.kv_blocks_used,
+            kv_blocks_free=report.kv_blocks_free,
+        )
+    return loads
+
+
+def fleet_load(loads: dict[str, EngineLoad]) -> FleetLoad:
+    """The mean load of the ACTIVE engines among ``loads``."""
+    active = [load for load in loads.values() if load.state == "ACTIVE"]
+    if not active:
         return FleetLoad(engines=0)
+    used = sum(load.kv_blocks_used for load in active)
+    total = used + sum(load.kv_blocks_free for load in active)
+    waiting = sum(load.waiting for load in active)
     return FleetLoad(
-        engines=engines, kv_usage=used / total if total else 0.0, queue_per_engine=waiting / engines
+        engines=len(active), kv_usage=used / total if total else 0.0, queue_per_engine=waiting / len(active)
     )
 
 
-def _updating(body: Manifest) -> bool:
-    """The cluster's engines are rolling over to a new template (its ``Updating`` condition)."""
-    conditions = (body.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Updating" and c.get("status") == "True" for c in conditions)
+async def read_load(client: aioredis.Redis, cluster_id: str, now: float) -> FleetLoad:
+    """The load of ``cluster_id``'s ACTIVE engines from their reports (stale ones left out)."""
+    return fleet_load(await read_engine_loads(client, cluster_id, now))
 
 
-class Autoscaler:
-    """Sizes autoscaled clusters from their Redis load reports; patches ``spec.engine.replicas``."""
+class FleetRedis:
+    """Each cluster's Redis, where its engines report their load: the managed Redis Service
+    (password from its Secret), or the spec's URL or URL Secret. One client per URL."""
 
     def __init__(self, api: Api, redis_url: Callable[[Cluster], Awaitable[str]] | None = None) -> None:
         self._api = api
         self._redis_url = redis_url or self._cluster_redis_url
         self._clients: dict[str, aioredis.Redis] = {}
 
-    async def step(self, body: Manifest, now: float) -> int | None:
-        """Resize the cluster in ``body`` if its load asks for it; returns the new engine count."""
-        meta = body["metadata"]
-        try:
-            spec = InferenceClusterSpec.model_validate(body.get("spec") or {})
-        except ValidationError:
-            return None  # the reconciler reports it
-        if not spec.autoscaling.enabled or _updating(body):
-            return None  # a rollout's surge engines would read as spare capacity
-        cluster = Cluster(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""), spec=spec)
+    async def client(self, cluster: Cluster) -> aioredis.Redis:
         url = await self._redis_url(cluster)
         client = self._clients.get(url)
         if client is None:
             client = self._clients[url] = aioredis.Redis.from_url(url, socket_timeout=5)
-        load = await read_load(client, cluster.cluster_id, now)
-        last = (meta.get("annotations") or {}).get(LAST_SCALE_ANNOTATION)
-        current = spec.engine.replicas
-        wanted = desired_replicas(
-            spec.autoscaling, spec.engine, load, current, float(last) if last else None, now
-        )
-        if wanted == current:
-            return None
-        patch = {
-            "metadata": {"annotations": {LAST_SCALE_ANNOTATION: f"{now:.3f}"}},
-            "spec": {"engine": {"replicas": wanted}},
-        }
-        await self._api.patch(CLUSTER_API_VERSION, KIND, cluster.namespace, cluster.name, patch)
-        return wanted
+        return client
+
+    async def engine_loads(self, cluster: Cluster) -> dict[str, EngineLoad]:
+        """The cluster's engines with a recent load report, by pod name."""
+        return await read_engine_loads(await self.client(cluster), cluster.cluster_id, time.time())
 
     async def _cluster_redis_url(self, cluster: Cluster) -> str:
         redis = cluster.spec.redis
@@ -162,3 +160,50 @@ class Autoscaler:
         for client in self._clients.values():
             await client.aclose()
         self._clients.clear()
+
+
+def _updating(body: Manifest) -> bool:
+    """The cluster's engines are rolling over to a new template (its ``Updating`` condition)."""
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Updating" and c.get("status") == "True" for c in conditions)
+
+
+class Autoscaler:
+    """Sizes autoscaled clusters from their Redis load reports; patches ``spec.engine.replicas``."""
+
+    def __init__(
+        self,
+        api: Api,
+        redis_url: Callable[[Cluster], Awaitable[str]] | None = None,
+        fleet: FleetRedis | None = None,
+    ) -> None:
+        self._api = api
+        self._fleet = fleet or FleetRedis(api, redis_url)
+
+    async def step(self, body: Manifest, now: float) -> int | None:
+        """Resize the cluster in ``body`` if its load asks for it; returns the new engine count."""
+        meta = body["metadata"]
+        try:
+            spec = InferenceClusterSpec.model_validate(body.get("spec") or {})
+        except ValidationError:
+            return None  # the reconciler reports it
+        if not spec.autoscaling.enabled or _updating(body):
+            return None  # a rollout's surge engines would read as spare capacity
+        cluster = Cluster(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid", ""), spec=spec)
+        load = await read_load(await self._fleet.client(cluster), cluster.cluster_id, now)
+        last = (meta.get("annotations") or {}).get(LAST_SCALE_ANNOTATION)
+        current = spec.engine.replicas
+        wanted = desired_replicas(
+            spec.autoscaling, spec.engine, load, current, float(last) if last else None, now
+        )
+        if wanted == current:
+            return None
+        patch = {
+            "metadata": {"annotations": {LAST_SCALE_ANNOTATION: f"{now:.3f}"}},
+            "spec": {"engine": {"replicas": wanted}},
+        }
+        await self._api.patch(CLUSTER_API_VERSION, KIND, cluster.namespace, cluster.name, patch)
+        return wanted
+
+    async def close(self) -> None:
+        await self._fleet.close()

@@ -8,10 +8,12 @@ deletes them (Kubernetes' garbage collector, not the operator).
 Children, for a cluster ``NAME``:
 
 * ``NAME-config`` ConfigMap: the fleet settings every pod reads (model, cluster id, ports).
-* ``NAME-engine`` StatefulSet and headless Service: vLLM engines with stable names (an engine's
-  id is its pod name; migrations and the router address engines by it). Each engine advertises
-  its pod IP; SIGTERM drains it by migrating its requests to the others, within the spec's drain
-  deadline (the pod's grace period leaves room after it).
+* ``NAME-engine`` Deployment and headless Service: vLLM engines (an engine's id is its pod
+  name; it advertises its pod IP in Redis, where routers and other engines find it). Rollouts
+  surge and never take an engine away before its replacement is ready; scale-down removes the
+  least-loaded engines (``scale.py``). The preStop hook and SIGTERM drain an engine by migrating
+  its requests to the others, within the spec's drain deadline (the pod's grace period leaves
+  room after it).
 * ``NAME-router`` Deployment and Service (and an Ingress when asked for): the OpenAI API.
 * ``NAME-tokenizer`` Deployment and Service (gRPC).
 * ``NAME-redis`` StatefulSet and Service, unless the spec points at an external Redis.
@@ -209,12 +211,12 @@ def engine_service(cluster: Cluster) -> Manifest:
             ("kv", ENGINE_KV_PORT),
         ],
     )
-    # Headless: each engine has its own DNS name, listed before it is ready.
+    # Headless: the Service's name resolves to every engine pod, ready or not.
     service["spec"].update(clusterIP="None", publishNotReadyAddresses=True)
     return service
 
 
-def engine_statefulset(cluster: Cluster) -> Manifest:
+def engine_deployment(cluster: Cluster) -> Manifest:
     spec, engine = cluster.spec, cluster.spec.engine
     args = [
         "--model", spec.model.source,
@@ -269,16 +271,17 @@ def engine_statefulset(cluster: Cluster) -> Manifest:
         "securityContext": _container_security(read_only_root=False),
         "volumeMounts": mounts,
     }
+    # Capacity never drops in a rollout: new engines are ready before old ones stop (maxSurge
+    # 0: one engine at a time, drained by its preStop hook, then replaced).
+    rolling = {"maxSurge": engine.max_surge, "maxUnavailable": 0 if engine.max_surge else 1}
     return {
         "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
+        "kind": "Deployment",
         "metadata": _meta(cluster, f"{cluster.name}-engine", "engine"),
         "spec": {
-            "serviceName": f"{cluster.name}-engine",
             "replicas": engine.replicas,
-            "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(cluster, "engine")},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
                 "metadata": {"labels": labels(cluster, "engine")},
                 "spec": {
@@ -536,7 +539,7 @@ def render(cluster: Cluster, service_monitors: bool = False) -> list[Manifest]:
     children = [
         config_map(cluster),
         engine_service(cluster),
-        engine_statefulset(cluster),
+        engine_deployment(cluster),
         router_deployment(cluster),
         _service(cluster, "router", [("http", ROUTER_HTTP_PORT)]),
         tokenizer_deployment(cluster),

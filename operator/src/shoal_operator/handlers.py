@@ -5,8 +5,9 @@
   (see ``autoscale``); the new engine count goes through the same reconcile.
 * A timer reconciles every cluster every ``resync_s`` seconds, so drift nobody announced (a
   missed event, a child edited while the operator was down) is put right.
-* The engine count goes down: the engines the StatefulSet will remove drain first (they leave
-  the rotation and migrate their requests away, see ``drain``), then the StatefulSet shrinks.
+* The engine count goes down: the least-loaded engines are chosen, marked for the ReplicaSet to
+  remove first, and drained (they leave the rotation and migrate their requests away, see
+  ``scale`` and ``drain``); then the engine Deployment shrinks.
 * A child (found by its ``managed-by`` label) is modified or deleted: reconcile its cluster. A
   deleted child comes back at once; a child whose replica counts change moves the status.
 * The cluster is deleted: nothing to do. Every child has an owner reference to the cluster and
@@ -29,7 +30,7 @@ from typing import Any
 import kopf
 from redis.exceptions import RedisError
 
-from shoal_operator.autoscale import Autoscaler
+from shoal_operator.autoscale import Autoscaler, FleetRedis
 from shoal_operator.children import Cluster
 from shoal_operator.drain import Drainer, GrpcDrainer
 from shoal_operator.kube import Kube
@@ -74,7 +75,8 @@ def register(
     from listing namespaces and watching CRDs (it then watches exactly the namespaces it is given).
     ``drainer`` empties the engines a scale-down removes (default: their gRPC drain).
     ``autoscale_s`` is how often autoscaled clusters are sized from their load in Redis, found at
-    ``redis_url(cluster)`` (default: the managed Redis Service, or the spec's URL or Secret).
+    ``redis_url(cluster)`` (default: the managed Redis Service, or the spec's URL or Secret); the
+    same load chooses the engines a scale-down removes.
     ``service_monitors=False``: no ServiceMonitor per cluster, even where its CRD exists.
     """
     state = _State()
@@ -95,8 +97,9 @@ def register(
         )
         if info is not None:
             state.kube = Kube(info)
-            state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer(), service_monitors)
-            state.autoscaler = Autoscaler(state.kube, redis_url)
+            fleet = FleetRedis(state.kube, redis_url)
+            state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer(), service_monitors, fleet)
+            state.autoscaler = Autoscaler(state.kube, fleet=fleet)
         return info
 
     @kopf.on.cleanup(registry=registry)

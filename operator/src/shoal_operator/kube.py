@@ -1,4 +1,5 @@
-"""A small async Kubernetes API client for the reconciler: get, create, merge-patch, discovery.
+"""A small async Kubernetes API client for the reconciler: get, list, create, merge-patch,
+discovery.
 
 It logs in the way kopf does (the same ``kopf.ConnectionInfo``: a service account in a pod, a
 kubeconfig elsewhere), so the operator has one set of credentials for watching and for writing.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ssl
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 import kopf
@@ -22,6 +24,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "Service"): "services",
     ("v1", "Secret"): "secrets",
+    ("v1", "Pod"): "pods",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
@@ -83,6 +86,13 @@ class Kube:
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         result: Manifest | None = await self._call("GET", path(api_version, kind, namespace, name))
         return result
+
+    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[Manifest]:
+        """The objects of ``kind`` in ``namespace`` whose labels match ``label_selector``."""
+        query = urlencode({"labelSelector": label_selector})
+        result = await self._call("GET", f"{path(api_version, kind, namespace)}?{query}")
+        items: list[Manifest] = (result or {}).get("items") or []
+        return items
 
     async def create(self, manifest: Manifest) -> Manifest:
         meta = manifest["metadata"]

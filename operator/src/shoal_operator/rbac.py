@@ -2,7 +2,8 @@
 
 The rules list exactly the calls the operator makes: read and write its clusters and their
 status, read/watch and create/patch each kind of child (never delete: owner references do that),
-read a Secret holding an external Redis URL (autoscaling), post events, and kopf's peering.
+read a Secret holding an external Redis URL (autoscaling), list engine pods and mark those
+leaving, post events, and kopf's peering.
 Watching named namespaces, it needs no cluster-wide read at all (``main`` turns kopf's namespace
 and CRD scanning off then), so each watched namespace gets a Role and a RoleBinding; with
 ``--all-namespaces`` one ClusterRole adds namespaces and CRDs (what kopf scans) and cluster-wide
@@ -38,6 +39,8 @@ RULES: list[Manifest] = [
     # The managed Redis's password (created once, never read back into a pod spec), and an
     # external Redis URL kept in a Secret (the autoscaler reads the fleet's load there).
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch"]},
+    # Scale-down: list the engine pods and mark the ones chosen to leave (pod-deletion-cost).
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["kopf.dev"], "resources": ["kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
 ]

@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
-from shoal_operator import rollout
+from shoal_operator import scale
 from shoal_operator import status as cluster_status
-from shoal_operator.children import GENERATED_KEYS_ANNOTATION, Cluster, render
+from shoal_operator.children import GENERATED_KEYS_ANNOTATION, Cluster, engine_selector, render, selector
 from shoal_operator.drain import Drained, Drainer
 from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
 
 Manifest = dict[str, Any]
+logger = logging.getLogger(__name__)
 CLUSTER_API_VERSION = f"{GROUP}/{VERSION}"
 
 
@@ -46,6 +49,10 @@ class Api(Protocol):
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None: ...
 
+    async def list(
+        self, api_version: str, kind: str, namespace: str, label_selector: str
+    ) -> list[Manifest]: ...
+
     async def create(self, manifest: Manifest) -> Manifest: ...
 
     async def patch(
@@ -53,6 +60,12 @@ class Api(Protocol):
     ) -> Manifest: ...
 
     async def has_resource(self, api_version: str, plural: str) -> bool: ...
+
+
+class EngineLoads(Protocol):
+    """Where the reconciler reads each engine's load (``autoscale.FleetRedis`` is the real one)."""
+
+    async def engine_loads(self, cluster: Cluster) -> dict[str, scale.EngineLoad]: ...
 
 
 @dataclass
@@ -121,12 +134,21 @@ def _ref(manifest: Manifest) -> str:
 
 class Reconciler:
     """Reconciles clusters through ``api``; one reconcile per cluster at a time. A ServiceMonitor
-    per cluster is made where its CRD exists, unless ``service_monitors`` is off."""
+    per cluster is made where its CRD exists, unless ``service_monitors`` is off. Engines leaving
+    in a scale-down are drained by ``drainer`` and chosen by the load ``loads`` reads (without
+    it, or with its Redis unreachable, not-ready pods go first, then by name)."""
 
-    def __init__(self, api: Api, drainer: Drainer | None = None, service_monitors: bool = True) -> None:
+    def __init__(
+        self,
+        api: Api,
+        drainer: Drainer | None = None,
+        service_monitors: bool = True,
+        loads: EngineLoads | None = None,
+    ) -> None:
         self._api = api
         self._drainer = drainer
         self._service_monitors = service_monitors
+        self._loads = loads
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def reconcile(self, namespace: str, name: str) -> Outcome:
@@ -154,19 +176,26 @@ class Reconciler:
             "monitoring.coreos.com/v1", "servicemonitors"
         )
         rendered = render(cluster, service_monitors=monitors)
-        engines_ref = f"StatefulSet/{name}-engine"
+        engines_ref = f"Deployment/{name}-engine"
         desired_engines = next(child for child in rendered if _ref(child) == engines_ref)
         engines = await self._get(desired_engines)  # read once: the plan and the apply both use it
         template_changed = engines is not None and drifted(
             desired_engines["spec"]["template"], (engines.get("spec") or {}).get("template")
         )
-        engine_plan = rollout.plan(cluster, desired_engines, engines, template_changed)
+        pods: list[Manifest] = []
+        loads: dict[str, scale.EngineLoad] = {}
+        if scale.shrinking(cluster, engines):
+            wanted_labels = selector(cluster, "engine").items()
+            listed = await self._api.list("v1", "Pod", namespace, engine_selector(cluster))
+            pods = [p for p in listed if wanted_labels <= (p["metadata"].get("labels") or {}).items()]
+            loads = await self._engine_loads(cluster)
+        engine_plan = scale.plan(cluster, engines, template_changed, pods, loads)
         if engine_plan.drain:
             previous = await self._drain(cluster, engine_plan, previous, outcome)
         live: dict[str, Manifest] = {}
         for child in rendered:
             ref = _ref(child)
-            desired = rollout.apply(child, engine_plan) if ref == engines_ref else child
+            desired = scale.apply(child, engine_plan) if ref == engines_ref else child
             live[ref] = await self._apply(
                 desired, outcome, engines if ref == engines_ref else await self._get(desired)
             )
@@ -182,20 +211,38 @@ class Reconciler:
         outcome.status_written |= await self._write_status(namespace, name, previous, wanted)
         return outcome
 
+    async def _engine_loads(self, cluster: Cluster) -> dict[str, scale.EngineLoad]:
+        if self._loads is None:
+            return {}
+        try:
+            return await self._loads.engine_loads(cluster)
+        except (ApiError, OSError, RedisError) as exc:
+            logger.warning("cannot read the engines' load (%s): not-ready pods leave first, then any", exc)
+            return {}
+
     async def _drain(
-        self, cluster: Cluster, engine_plan: rollout.EnginePlan, previous: Manifest, outcome: Outcome
+        self, cluster: Cluster, engine_plan: scale.EnginePlan, previous: Manifest, outcome: Outcome
     ) -> Manifest:
-        """Before the engine StatefulSet removes or replaces the engines ``engine_plan`` names,
-        drain them; returns the status as it now stands (``Draining=True`` while they drain).
+        """Before the engine Deployment shrinks, mark the engines ``engine_plan`` chose to leave
+        (the ReplicaSet deletes them first) and drain them; returns the status as it now stands
+        (``Draining=True`` while they drain).
 
         Without a drainer the engines still drain, in their pods' preStop hook, within the same
         deadline.
         """
+        for engine in engine_plan.drain:
+            try:
+                await self._api.patch("v1", "Pod", cluster.namespace, engine.pod, scale.leaving_mark())
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                continue  # gone since the listing: nothing to mark
+            outcome.patched.append(f"Pod/{engine.pod}")
         if self._drainer is None:
             return previous
         # Say so first: a drain takes up to the spec's deadline.
-        reason = "RollingUpdate" if engine_plan.updating else "ScaleDown"
-        draining = cluster_status.draining(previous, engine_plan.drain, reason)
+        pods = [engine.pod for engine in engine_plan.drain]
+        draining = cluster_status.draining(previous, pods)
         if await self._write_status(cluster.namespace, cluster.name, previous, draining):
             outcome.status_written = True
         outcome.drained = await self._drainer.drain(cluster, engine_plan.drain)

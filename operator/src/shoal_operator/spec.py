@@ -84,7 +84,7 @@ class Resources(_Spec):
 
 
 class EngineSpec(_Spec):
-    """The vLLM engine pods (a StatefulSet: each engine has a stable name its migrations use)."""
+    """The vLLM engine pods (a Deployment; scale-down removes the least-loaded engines)."""
 
     model_config = ConfigDict(
         json_schema_extra=_rules(
@@ -115,8 +115,8 @@ class EngineSpec(_Spec):
         ge=0,
         le=64,
         description="Extra engines started on the new template when the engine pod template changes; "
-        "old engines are then drained and replaced this many at a time, so capacity never drops. "
-        "0 replaces engines one at a time in place (each drained first).",
+        "old engines stop (drained by migration) only as new ones are ready, so capacity never "
+        "drops. 0 replaces engines one at a time (each drained before it goes).",
     )
     gpus: int = Field(default=0, ge=0, le=16, description="GPUs per engine; 0 runs vLLM's CPU build.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory per engine.")

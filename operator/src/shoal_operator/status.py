@@ -1,13 +1,13 @@
 """An InferenceCluster's status, computed from what its children report (no IO).
 
-The operator reads the engine StatefulSet, the router Deployment and the managed Redis
+The operator reads the engine Deployment, the router Deployment and the managed Redis
 StatefulSet, and turns their replica counts into the status the CRD declares: counts for
 ``kubectl get ic`` and the scale subresource, and conditions with reasons, following the
 Kubernetes convention (a condition's ``lastTransitionTime`` moves only when its status does).
 
 ``Ready`` holds when engines, router and Redis are ready. ``Draining`` holds while engine pods
 that the spec no longer wants are still there: they are migrating their requests away.
-``Updating`` holds while the engines roll over to a new pod template (``rollout.py``).
+``Updating`` holds while the engines roll over to a new pod template (``scale.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from shoal_operator.children import Cluster, engine_selector
-from shoal_operator.rollout import EnginePlan
+from shoal_operator.scale import EnginePlan
 
 Manifest = dict[str, Any]
 CONDITION_TYPES = ("Ready", "EnginesReady", "RouterReady", "RedisReady", "Draining", "Updating")
@@ -50,7 +50,7 @@ def compute(
     engine_plan: EnginePlan | None = None,
 ) -> Manifest:
     """The status for ``cluster`` at ``generation`` given its live children (None: absent) and
-    the engine StatefulSet's last plan (its replica count counts surge engines of a rollout)."""
+    the engine Deployment's last plan (during a rollout its pod count includes surge engines)."""
     spec = cluster.spec
     wanted, ready, present = spec.engine.replicas, _ready_replicas(engines), _replicas(engines)
     engines_ok = ready >= wanted
@@ -88,7 +88,8 @@ def compute(
             )
         )
     kept = engine_plan.replicas if engine_plan is not None else wanted
-    draining = present > kept
+    # In a rollout the extra pods are surge engines and old ones on their way out, not a drain.
+    draining = present > kept and not (engine_plan is not None and engine_plan.updating)
     conditions.append(
         _condition(
             "Draining",
@@ -151,8 +152,7 @@ def draining(
     previous: Manifest, pods: list[str], reason: str = "ScaleDown", now: str | None = None
 ) -> Manifest:
     """``previous`` with ``Draining=True``: ``pods`` are moving their requests away before the
-    engine StatefulSet removes them (``reason``: ScaleDown, or RollingUpdate when they are
-    replaced); the rest of the status is recomputed after the change."""
+    engine Deployment removes them; the rest of the status is recomputed after the change."""
     condition = _condition(
         "Draining", True, reason, f"{', '.join(pods)} migrating their requests away before removal"
     )
