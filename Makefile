@@ -111,6 +111,10 @@ bench: setup models ## Fleet vs vLLM's own OpenAI server, same load; writes docs
 bench-operator: setup ## Operator reconcile cost against kmock (API calls, writes, time); writes docs/benchmarks.md
 	$(PY) bench/operator_reconcile.py $(BENCH_ARGS)
 
+.PHONY: bench-dispatch
+bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 256 engines; writes docs/benchmarks.md
+	$(PY) bench/dispatch.py $(BENCH_ARGS)
+
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)

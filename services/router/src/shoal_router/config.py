@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shoal_router.core.scheduling import Scheduler
 
 
 class RouterConfig(BaseModel):
@@ -66,6 +68,17 @@ class RouterConfig(BaseModel):
     """Engines that may serve one request: one that refuses it (draining) or dies while serving
     it hands it to the next, which continues after the tokens already delivered."""
 
+    scheduler: str = "least_load"
+    """How an engine is picked for each request: a profile (``least_load``, ``round_robin``,
+    ``prefix_affinity``, ``session_affinity``) or scorer weights such as
+    ``prefix_affinity=2,least_load=1`` (see ``core.scheduling``)."""
+
+    prefix_blocks: int = Field(default=4, ge=1, le=1024)
+    """Prompt blocks (16 tokens each) that prefix affinity keys on."""
+
+    session_header: str = Field(default="x-session-id", min_length=1, pattern=r"^[A-Za-z0-9\-]+$")
+    """The request header session affinity keys on."""
+
     retry_after_s: int = Field(default=1, ge=1)
     """``Retry-After`` of 503 answers when no engine can serve."""
 
@@ -81,3 +94,9 @@ class RouterConfig(BaseModel):
 
     admin_keys_file: str | None = None
     """Keys file guarding ``/metrics`` and the fleet page; None: open."""
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value: str) -> str:
+        Scheduler(value)  # raises ValueError naming what is wrong
+        return value

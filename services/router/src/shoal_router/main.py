@@ -26,6 +26,7 @@ from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
 from shoal_router.core.ratelimit import Limits, RateLimiter
+from shoal_router.core.scheduling import Scheduler
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
 from shoal_router.ipc.tokenizing import TokenizerClient
@@ -66,6 +67,14 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "--zmq-curve-key-file", help="the fleet's CURVE key file (encrypted frames, members only)"
     )
     parser.add_argument(
+        "--scheduler",
+        default="least_load",
+        help="least_load, round_robin, prefix_affinity, session_affinity, or scorer weights "
+        "(prefix_affinity=2,least_load=1)",
+    )
+    parser.add_argument("--prefix-blocks", type=int, default=4, help="prompt blocks prefix affinity keys on")
+    parser.add_argument("--session-header", default="x-session-id", help="header session affinity keys on")
+    parser.add_argument(
         "--redis-restart-grace",
         type=float,
         default=10.0,
@@ -91,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         zmq_curve_key_file=args.zmq_curve_key_file,
         key_requests_per_minute=args.key_rpm,
         key_tokens_per_minute=args.key_tpm,
+        scheduler=args.scheduler,
+        prefix_blocks=args.prefix_blocks,
+        session_header=args.session_header,
     )
 
 
@@ -143,6 +155,8 @@ def build_app(config: RouterConfig) -> FastAPI:
         config.max_dispatch_attempts,
         config.max_queued_requests,
         config.queue_timeout_s,
+        Scheduler(config.scheduler, config.prefix_blocks),
+        config.session_header,
     )
 
     @contextlib.asynccontextmanager

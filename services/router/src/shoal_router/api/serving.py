@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Callable
 
 from shoal_protos.messages import AddRequest, FinishReason, PieceError, SamplingOptions
 from shoal_router.core.admission import Admission
-from shoal_router.core.dispatch import LEAST_LOAD, EngineView, pick_least_loaded
+from shoal_router.core.dispatch import EngineView
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
+from shoal_router.core.scheduling import Ask, Scheduler
 from shoal_router.errors import (
     ContextLengthError,
     EngineFailedError,
@@ -49,6 +50,8 @@ class Generation:
         max_attempts: int,
         max_queued: int = 0,
         queue_timeout_s: float = 30.0,
+        scheduler: Scheduler | None = None,
+        session_header: str = "x-session-id",
     ) -> None:
         self._router_id = router_id
         self._configured = configured_models
@@ -57,6 +60,8 @@ class Generation:
         self.metrics = metrics
         self.admission = Admission(max_inflight, max_queued, queue_timeout_s)
         self.max_attempts = max_attempts
+        self.scheduler = scheduler or Scheduler()
+        self.session_header = session_header
         self.inflight = 0
 
     @property
@@ -108,10 +113,12 @@ class Generation:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         on_close: Callable[[int], None] | None = None,
+        session: str | None = None,
     ) -> GenerationHandle:
         """Admit the request (waiting in line for a slot if the router is full) and send it to
         an engine; the handle gives the slot back when it closes, and calls ``on_close`` with
-        the output tokens it delivered."""
+        the output tokens it delivered. ``session`` (a client's session header) is what
+        session affinity keys on."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         self.metrics.queued.inc()
@@ -126,6 +133,7 @@ class Generation:
                 f"{self._router_id}-{uuid.uuid4().hex}",
                 AddRequest("", prompt_token_ids, sampling, self.engines.reply_to),
                 on_close,
+                session,
             )
             handle.dispatch()
         except BaseException:
@@ -133,11 +141,10 @@ class Generation:
             raise
         return handle
 
-    def pick(self, model: str, exclude: set[str]) -> EngineView:
-        candidates = [v for v in self.fleet.engines_for(model) if v.engine_id not in exclude]
-        view = pick_least_loaded(candidates)
+    def pick(self, ask: Ask) -> EngineView:
+        view = self.scheduler.pick(ask, self.fleet.engines_for(ask.model))
         if view is None:
-            raise NoEngineError(model)
+            raise NoEngineError(ask.model)
         return view
 
 
@@ -149,8 +156,10 @@ class GenerationHandle:
         request_id: str,
         add: AddRequest,
         on_close: Callable[[int], None] | None = None,
+        session: str | None = None,
     ) -> None:
         self._gen = generation
+        self._session = session
         self._on_close = on_close
         self.model = model
         self.request_id = request_id
@@ -178,18 +187,24 @@ class GenerationHandle:
 
     def dispatch(self) -> None:
         gen = self._gen
-        view = gen.pick(self.model, self._failed)
-        gen.engines.add(view.engine_id, self._add, self.collector)
+        add = self._add
+        context = add.prompt_token_ids
+        if add.output_token_ids:  # resumed: the engine takes in the tokens delivered too
+            context = [*context, *add.output_token_ids]
+        ask = Ask(self.model, context, self._session, self._failed)
+        view = gen.pick(ask)
+        gen.engines.add(view.engine_id, add, self.collector)
         self._attempts += 1
         self._view = view
         view.inflight += 1
         view.sent_since_report += 1
+        view.pending_blocks += ask.prompt_blocks
         if self._attempts == 1:
             gen.inflight += 1
             gen.metrics.inflight.set(gen.inflight)
             gen.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
             gen.metrics.queue.labels(self.model).observe(time.monotonic() - self.arrived)
-        gen.metrics.dispatched.labels(view.engine_id, self.model, LEAST_LOAD).inc()
+        gen.metrics.dispatched.labels(view.engine_id, self.model, gen.scheduler.name).inc()
 
     def _leave_engine(self) -> None:
         if self._view is not None:

@@ -1,0 +1,299 @@
+"""Scheduling: which engine takes a new request, decided by small named plugins.
+
+A scheduler runs three kinds of plugin for every request, in order:
+
+* **filters** drop engines that cannot take it: not ACTIVE or unreachable from this router, or
+  one that already failed this request (``dispatchable``); engines without free KV blocks for
+  the prompt (``kv_room``, soft: when no engine has room, every engine stays, and vLLM queues);
+* **scorers** give each engine left a score in [0, 1] (higher is better), summed with weights;
+* a **picker** takes one: the highest total (``max_score``, ties at random, so equal engines
+  share the load), or the next engine in turn (``round_robin``).
+
+Scorers:
+
+* ``least_load``: Llumnix's *freeness*, the KV blocks an engine has left after what its batch
+  already holds and will soon need, per batch slot: ``(total - used - pending - queued) /
+  (requests + 1)``. ``pending`` is the prompt blocks this router sent since the engine's last
+  load report (the report cannot know them yet), ``queued`` the waiting requests' demand
+  (estimated at the engine's mean blocks per running request). Scaled to [0, 1] over the
+  candidates.
+* ``prefix_affinity``: requests whose prompts start with the same blocks go to the same engine,
+  where vLLM's prefix cache already holds them. The key is a hash of the prompt's first
+  ``prefix_blocks`` full blocks; consistent hashing with bounded load (Mirrokni, Thorup and
+  Zaderidis) maps it to an engine: walk the ring of engines from the key and take the first
+  whose load is under ``(1 + epsilon)`` times the mean. That engine scores 1, the others 0. The
+  ring depends only on the engine ids, so every router maps a prefix to the same engine.
+* ``session_affinity``: the same ring keyed by the request's session header, so a
+  conversation's turns meet their cached history.
+
+Profiles (``--scheduler``): ``least_load`` (the default), ``round_robin``, ``prefix_affinity``
+(prefix 2, least_load 1), ``session_affinity`` (session 2, least_load 1), or weights spelled out,
+``prefix_affinity=2,least_load=1``. An affinity scorer outweighs ``least_load``, and its bound
+on load keeps it from piling requests on one engine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import math
+import random
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shoal_protos.records import EngineState
+from shoal_router.core.dispatch import EngineView
+
+ACTIVE = EngineState.ACTIVE
+BLOCK_SIZE = 16
+"""Tokens per block of the prompt hashes (vLLM's default block size)."""
+PRUNE_AFTER = 1000
+"""Decisions between two prunings of departed engines from an affinity ring."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What a scheduler knows about the request it places."""
+
+    model: str
+    prompt_token_ids: Sequence[int]
+    session: str | None = None
+    exclude: frozenset[str] | set[str] = frozenset()
+
+    @property
+    def prompt_blocks(self) -> int:
+        return -(-len(self.prompt_token_ids) // BLOCK_SIZE)
+
+
+Filter = Callable[[Ask, list[EngineView]], list[EngineView]]
+Scorer = Callable[[Ask, list[EngineView]], list[float]]
+
+
+# ---- filters ------------------------------------------------------------------------------
+
+
+def dispatchable(ask: Ask, views: list[EngineView]) -> list[EngineView]:
+    """ACTIVE engines this router reaches that have not failed this request."""
+    exclude = ask.exclude
+    return [v for v in views if v.connected and v.record.state is ACTIVE and v.engine_id not in exclude]
+
+
+def kv_room(ask: Ask, views: list[EngineView]) -> list[EngineView]:
+    """Engines with free KV blocks for the prompt; all of them when none has room."""
+    need = ask.prompt_blocks
+    roomy = [v for v in views if v.report is None or v.report.kv_blocks_free - v.pending_blocks >= need]
+    return roomy or views
+
+
+# ---- scorers ------------------------------------------------------------------------------
+
+
+def freeness(view: EngineView) -> float:
+    """Llumnix's freeness: KV blocks left per batch slot once what is running, sent and queued
+    is counted (negative when the engine is oversubscribed)."""
+    report = view.report
+    total = view.record.kv_blocks_total
+    if report is None:
+        return float(total) / (view.inflight + 1)
+    running, waiting, used = report.num_running, report.num_waiting, report.kv_blocks_used
+    total = total or used + report.kv_blocks_free
+    queued = waiting * used / running if running else 0.0
+    requests = max(running + waiting + view.sent_since_report, view.inflight)
+    return (total - used - view.pending_blocks - queued) / (requests + 1)
+
+
+def _scaled(values: list[float]) -> list[float]:
+    low, high = min(values), max(values)
+    if high <= low:
+        return [1.0] * len(values)
+    span = high - low
+    return [(v - low) / span for v in values]
+
+
+def least_load(ask: Ask, views: list[EngineView]) -> list[float]:
+    return _scaled([freeness(v) for v in views])
+
+
+def _hash64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class BoundedRing:
+    """Consistent hashing with bounded load over engine ids (``replicas`` points per engine).
+
+    ``owner`` walks clockwise from a key's point and returns the first of the given engines whose
+    load is under ``ceil((1 + epsilon) * (total + 1) / engines)``. The ring holds every engine
+    it has been given (an engine filtered out of one request is skipped, not removed, so the
+    ring is rebuilt only when a new engine appears or departed ones outnumber the rest); the
+    answer depends only on the engines given and their loads.
+    """
+
+    def __init__(self, replicas: int = 64, epsilon: float = 0.25) -> None:
+        self.replicas = replicas
+        self.epsilon = epsilon
+        self._members: set[str] = set()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        self._since_rebuild = 0
+
+    def _rebuild(self, members: set[str]) -> None:
+        points = sorted(
+            (_hash64(f"{engine}#{i}".encode()), engine) for engine in members for i in range(self.replicas)
+        )
+        self._points = [p for p, _ in points]
+        self._owners = [e for _, e in points]
+        self._members = members
+        self._since_rebuild = 0
+
+    def owner(self, key: int, loads: dict[str, int]) -> str | None:
+        """The engine of ``loads`` (id -> requests) that takes ``key``."""
+        if not loads:
+            return None
+        self._since_rebuild += 1
+        if not self._members.issuperset(loads):
+            self._rebuild(self._members | loads.keys())
+        elif len(self._members) > 2 * len(loads) and self._since_rebuild > PRUNE_AFTER:
+            self._rebuild(set(loads))  # engines gone for good (or filtered out for a long while)
+        cap = math.ceil((1 + self.epsilon) * (sum(loads.values()) + 1) / len(loads))
+        owners = self._owners
+        count = len(owners)
+        start = bisect.bisect_left(self._points, key)
+        for step in range(count):
+            load = loads.get(owners[(start + step) % count])
+            if load is not None and load < cap:
+                return owners[(start + step) % count]
+        return None  # unreachable: some engine is at or under the mean
+
+
+@dataclass
+class Affinity:
+    """A scorer that gives 1 to the engine ``key(ask)`` hashes to (bounded load), 0 to the rest;
+    all 0 when the request has no key."""
+
+    key: Callable[[Ask], int | None]
+    ring: BoundedRing = field(default_factory=BoundedRing)
+
+    def __call__(self, ask: Ask, views: list[EngineView]) -> list[float]:
+        key = self.key(ask)
+        if key is None:
+            return [0.0] * len(views)
+        owner = self.ring.owner(key, {v.engine_id: v.requests() for v in views})
+        return [1.0 if v.engine_id == owner else 0.0 for v in views]
+
+
+def prefix_key(prefix_blocks: int) -> Callable[[Ask], int | None]:
+    """The hash of the prompt's first ``prefix_blocks`` full blocks (fewer if the prompt is
+    shorter; None under one block: nothing worth caching)."""
+
+    def key(ask: Ask) -> int | None:
+        blocks = min(prefix_blocks, len(ask.prompt_token_ids) // BLOCK_SIZE)
+        if blocks == 0:
+            return None
+        head = array("q", ask.prompt_token_ids[: blocks * BLOCK_SIZE]).tobytes()
+        return _hash64(ask.model.encode() + b"\0" + head)
+
+    return key
+
+
+def session_key(ask: Ask) -> int | None:
+    return None if not ask.session else _hash64(f"{ask.model}\0{ask.session}".encode())
+
+
+# ---- pickers ------------------------------------------------------------------------------
+
+
+class MaxScore:
+    """The engine with the highest weighted score, ties at random."""
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def __call__(self, ask: Ask, views: list[EngineView], totals: list[float]) -> EngineView:
+        best = max(totals)
+        tied = [v for v, t in zip(views, totals, strict=True) if t >= best - 1e-12]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+
+class RoundRobin:
+    """Each model's engines in turn (by engine id), skipping those filtered out."""
+
+    def __init__(self) -> None:
+        self._turns: dict[str, itertools.count[int]] = {}
+
+    def __call__(self, ask: Ask, views: list[EngineView], totals: list[float]) -> EngineView:
+        turn = next(self._turns.setdefault(ask.model, itertools.count()))
+        ordered = sorted(views, key=lambda v: v.engine_id)
+        return ordered[turn % len(ordered)]
+
+
+# ---- profiles -----------------------------------------------------------------------------
+
+SCORERS = ("least_load", "prefix_affinity", "session_affinity")
+PROFILES: dict[str, str] = {
+    "least_load": "least_load=1",
+    "round_robin": "",
+    "prefix_affinity": "prefix_affinity=2,least_load=1",
+    "session_affinity": "session_affinity=2,least_load=1",
+}
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """``name=weight,...`` (a bare name weighs 1) into scorer weights; ValueError names what is
+    wrong."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, weight = item.partition("=")
+        if name not in SCORERS:
+            raise ValueError(f"unknown scorer {name!r} (scorers: {', '.join(SCORERS)})")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"scorer {name}: weight {weight!r} is not a number") from None
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"scorer {name}: weight must be a positive number, not {weight}")
+        weights[name] = value
+    if not weights:
+        raise ValueError("no scorer given")
+    return weights
+
+
+class Scheduler:
+    """Filters, weighted scorers and a picker, chosen by name (see the module docstring)."""
+
+    def __init__(self, profile: str = "least_load", prefix_blocks: int = 4, rng: random.Random | None = None):
+        self.name = profile
+        spec = PROFILES.get(profile, profile)
+        self.filters: list[Filter] = [dispatchable, kv_room]
+        self.picker: Callable[[Ask, list[EngineView], list[float]], EngineView]
+        self.scorers: list[tuple[Scorer, float]] = []
+        if profile == "round_robin":
+            self.picker = RoundRobin()
+            return
+        self.picker = MaxScore(rng)
+        for name, weight in parse_weights(spec).items():
+            scorer: Scorer
+            if name == "least_load":
+                scorer = least_load
+            elif name == "prefix_affinity":
+                scorer = Affinity(prefix_key(prefix_blocks))
+            else:
+                scorer = Affinity(session_key)
+            self.scorers.append((scorer, weight))
+
+    def pick(self, ask: Ask, views: list[EngineView]) -> EngineView | None:
+        """The engine for ``ask`` among ``views`` (None: no engine can take it)."""
+        for keep in self.filters:
+            views = keep(ask, views)
+            if not views:
+                return None
+        if len(views) == 1:
+            return views[0]
+        if len(self.scorers) == 1 and self.scorers[0][0] is least_load:
+            # One scorer: its order is all that counts, no need to scale it.
+            return self.picker(ask, views, [freeness(v) for v in views])
+        totals = [0.0] * len(views)
+        for scorer, weight in self.scorers:
+            totals = [total + weight * score for total, score in zip(totals, scorer(ask, views), strict=True)]
+        return self.picker(ask, views, totals)
