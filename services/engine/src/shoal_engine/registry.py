@@ -28,6 +28,9 @@ from shoal_engine.metrics import EngineMetrics
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
 
 logger = logging.getLogger(__name__)
+STOP_WAIT_S = 5.0
+"""Longest wait, past one report interval, for the report loop to end (longer than a Redis
+call's timeout)."""
 
 
 class EngineRegistration:
@@ -50,10 +53,12 @@ class EngineRegistration:
         self._metrics = metrics
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
+        self._reporting = False
 
     async def register(self) -> None:
         await self._write_record()
         await self._client.sadd(self._keys.engines, self._record.engine_id)
+        self._reporting = True
         self._task = asyncio.create_task(self._report_forever(), name="load-reports")
 
     async def set_state(self, state: EngineState) -> None:
@@ -70,7 +75,7 @@ class EngineRegistration:
         failing = False
         loop = asyncio.get_running_loop()
         due = loop.time()
-        while True:
+        while self._reporting:
             late_s = loop.time() - due
             if late_s > self._ttl_ms / 2000:
                 logger.warning("heartbeat %.1f s late: the event loop was blocked", late_s)
@@ -100,12 +105,13 @@ class EngineRegistration:
             await asyncio.sleep(self._interval_s)
 
     async def unregister(self) -> None:
+        self._reporting = False
         if self._task is not None:
+            # A cancellation landing inside a Redis call may not end the task (the client can
+            # take it for a failed call); the loop also stops at its next turn now, so the wait
+            # is bounded either way and shutdown never hangs on it.
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self._task}, timeout=self._interval_s + STOP_WAIT_S)
         engine_id = self._record.engine_id
         try:
             async with self._client.pipeline(transaction=False) as pipe:
