@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from report import update_section
+
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
 from shoal_router.core.scheduling import Ask, Scheduler
@@ -75,7 +76,9 @@ class Timing:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000
 
 
-def run(profile: str, views: list[EngineView], requests: list[Ask], rng: random.Random, timing: Timing, n: int) -> None:
+def run(
+    profile: str, views: list[EngineView], requests: list[Ask], rng: random.Random, timing: Timing, n: int
+) -> None:
     scheduler = Scheduler(profile, rng=random.Random(0))
     clock = time.perf_counter_ns
     for k in range(n):
@@ -87,8 +90,8 @@ def run(profile: str, views: list[EngineView], requests: list[Ask], rng: random.
         chosen = scheduler.pick(ask, views)
         timing.ns.append(clock() - started)
         assert chosen is not None
-        chosen.sent_since_report += 1
-        chosen.pending_blocks += ask.prompt_blocks
+        chosen.sent(ask.prompt_blocks)
+        chosen.inflight = 0  # the bench's requests end at once: only the reports count them
 
 
 def main() -> None:

@@ -196,9 +196,7 @@ class GenerationHandle:
         gen.engines.add(view.engine_id, add, self.collector)
         self._attempts += 1
         self._view = view
-        view.inflight += 1
-        view.sent_since_report += 1
-        view.pending_blocks += ask.prompt_blocks
+        view.sent(ask.prompt_blocks)
         if self._attempts == 1:
             gen.inflight += 1
             gen.metrics.inflight.set(gen.inflight)

@@ -7,54 +7,155 @@ prompt blocks, which the report cannot know yet).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from shoal_protos.records import EngineRecord, EngineState, LoadReport
 
+ACTIVE = EngineState.ACTIVE
+UNKNOWN_ROOM = 1 << 62
+"""``room`` of an engine whose KV size nobody reported yet: room for anything."""
 
-@dataclass(slots=True)
+
 class EngineView:
-    record: EngineRecord
-    report: LoadReport | None = None
-    # Requests this router sent since ``report`` was written, and their prompts' KV blocks.
-    sent_since_report: int = 0
-    pending_blocks: int = 0
-    # Requests of this router running there now.
-    inflight: int = 0
-    # Whether this router's ZeroMQ link to the engine is up.
-    connected: bool = True
+    """One engine as this router sees it.
+
+    Besides what it is told (``record``, ``report``, ``connected``, and the counts of what this
+    router sent), it keeps the numbers dispatch reads on every request, computed again whenever
+    one of those changes (a few times per request, against reading them for every engine on
+    every request): ``usable`` (ACTIVE and reachable), ``held`` (requests, see ``requests``),
+    ``room`` (free KV blocks not yet claimed by prompts sent since the report) and ``free``
+    (Llumnix's freeness, see ``freeness``).
+    """
+
+    __slots__ = (
+        "_connected", "_inflight", "_pending_blocks", "_record", "_report", "_sent_since_report",
+        "free", "held", "room", "usable",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        record: EngineRecord,
+        report: LoadReport | None = None,
+        sent_since_report: int = 0,
+        inflight: int = 0,
+        connected: bool = True,
+        pending_blocks: int = 0,
+    ) -> None:
+        self._record = record
+        self._report = report
+        # Requests this router sent since ``report`` was written, and their prompts' KV blocks.
+        self._sent_since_report = sent_since_report
+        self._pending_blocks = pending_blocks
+        # Requests of this router running there now.
+        self._inflight = inflight
+        # Whether this router's ZeroMQ link to the engine is up.
+        self._connected = connected
+        self.usable = self.held = self.room = 0
+        self.free = 0.0
+        self._derive()
+
+    def _derive(self) -> None:
+        record, report = self._record, self._report
+        self.usable = record.state is ACTIVE and self._connected
+        total = record.kv_blocks_total
+        if report is None:  # not reported yet: what this router sent is all it knows
+            self.held = max(self._sent_since_report, self._inflight)
+            self.room = total - self._pending_blocks if total else UNKNOWN_ROOM
+            self.free = (total - self._pending_blocks) / (self.held + 1)
+            return
+        running, waiting, used = report.num_running, report.num_waiting, report.kv_blocks_used
+        self.held = max(running + waiting + self._sent_since_report, self._inflight)
+        self.room = report.kv_blocks_free - self._pending_blocks
+        # Llumnix's freeness: blocks left per batch slot once what runs, was sent and waits is
+        # counted; a waiting request is taken to need as many blocks as a running one on average.
+        queued = waiting * used / running if running else 0.0
+        total = total or used + report.kv_blocks_free
+        self.free = (total - used - self._pending_blocks - queued) / (self.held + 1)
+
+    @property
+    def record(self) -> EngineRecord:
+        return self._record
+
+    @record.setter
+    def record(self, record: EngineRecord) -> None:
+        self._record = record
+        self._derive()
+
+    @property
+    def report(self) -> LoadReport | None:
+        return self._report
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @connected.setter
+    def connected(self, up: bool) -> None:
+        self._connected = up
+        self._derive()
+
+    @property
+    def sent_since_report(self) -> int:
+        return self._sent_since_report
+
+    @sent_since_report.setter
+    def sent_since_report(self, count: int) -> None:
+        self._sent_since_report = count
+        self._derive()
+
+    @property
+    def pending_blocks(self) -> int:
+        return self._pending_blocks
+
+    @pending_blocks.setter
+    def pending_blocks(self, blocks: int) -> None:
+        self._pending_blocks = blocks
+        self._derive()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, count: int) -> None:
+        self._inflight = count
+        self._derive()
+
+    def sent(self, blocks: int) -> None:
+        """This router sent the engine a request whose prompt takes ``blocks`` KV blocks."""
+        self._sent_since_report += 1
+        self._pending_blocks += blocks
+        self._inflight += 1
+        self._derive()
 
     @property
     def engine_id(self) -> str:
-        return self.record.engine_id
+        return self._record.engine_id
 
     @property
     def dispatchable(self) -> bool:
-        return self.record.state == EngineState.ACTIVE and self.connected
+        return self.usable
 
     @property
     def state(self) -> str:
         """The engine's registered state, or UNREACHABLE while this router's link to it is down."""
-        return str(self.record.state) if self.connected else "UNREACHABLE"
+        return str(self._record.state) if self._connected else "UNREACHABLE"
 
     @property
     def kv_usage(self) -> float:
         """KV blocks in use over all blocks, as the last load report says (0 without one)."""
-        if self.report is None:
+        if self._report is None:
             return 0.0
-        blocks = self.report.kv_blocks_used + self.report.kv_blocks_free
-        return self.report.kv_blocks_used / blocks if blocks else 0.0
+        blocks = self._report.kv_blocks_used + self._report.kv_blocks_free
+        return self._report.kv_blocks_used / blocks if blocks else 0.0
 
     def update_report(self, report: LoadReport) -> None:
-        if self.report is None or report.seq != self.report.seq:
-            self.report = report
-            self.sent_since_report = 0
-            self.pending_blocks = 0
+        if self._report is None or report.seq != self._report.seq:
+            self._report = report
+            self._sent_since_report = 0
+            self._pending_blocks = 0
+            self._derive()
 
     def requests(self) -> int:
         """Requests the engine holds as this router sees them: the report's running and waiting
         plus those sent since. This router's in-flight count is a floor: the report may predate
         requests it still runs there."""
-        report = self.report
-        reported = 0 if report is None else report.num_running + report.num_waiting
-        return max(reported + self.sent_since_report, self.inflight)
+        return self.held

@@ -5,9 +5,11 @@ A scheduler runs three kinds of plugin for every request, in order:
 * **filters** drop engines that cannot take it: not ACTIVE or unreachable from this router, or
   one that already failed this request (``dispatchable``); engines without free KV blocks for
   the prompt (``kv_room``, soft: when no engine has room, every engine stays, and vLLM queues);
-* **scorers** give each engine left a score in [0, 1] (higher is better), summed with weights;
-* a **picker** takes one: the highest total (``max_score``, ties at random, so equal engines
-  share the load), or the next engine in turn (``round_robin``).
+* **scorers** give each engine left a score in [0, 1] (higher is better), summed with weights
+  (an affinity scorer names the one engine it favours rather than scoring every engine, so a
+  decision costs one pass over the engines whatever the profile);
+* a **picker** takes one: the highest total (ties at random, so equal engines share the
+  load), or the next engine in turn (``round_robin``).
 
 Scorers:
 
@@ -68,7 +70,6 @@ class Ask:
 
 
 Filter = Callable[[Ask, list[EngineView]], list[EngineView]]
-Scorer = Callable[[Ask, list[EngineView]], list[float]]
 
 
 # ---- filters ------------------------------------------------------------------------------
@@ -77,14 +78,15 @@ Scorer = Callable[[Ask, list[EngineView]], list[float]]
 def dispatchable(ask: Ask, views: list[EngineView]) -> list[EngineView]:
     """ACTIVE engines this router reaches that have not failed this request."""
     exclude = ask.exclude
-    return [v for v in views if v.connected and v.record.state is ACTIVE and v.engine_id not in exclude]
+    if not exclude:
+        return [v for v in views if v.usable]
+    return [v for v in views if v.usable and v.engine_id not in exclude]
 
 
 def kv_room(ask: Ask, views: list[EngineView]) -> list[EngineView]:
     """Engines with free KV blocks for the prompt; all of them when none has room."""
     need = ask.prompt_blocks
-    roomy = [v for v in views if v.report is None or v.report.kv_blocks_free - v.pending_blocks >= need]
-    return roomy or views
+    return [v for v in views if v.room >= need] or views
 
 
 # ---- scorers ------------------------------------------------------------------------------
@@ -92,16 +94,8 @@ def kv_room(ask: Ask, views: list[EngineView]) -> list[EngineView]:
 
 def freeness(view: EngineView) -> float:
     """Llumnix's freeness: KV blocks left per batch slot once what is running, sent and queued
-    is counted (negative when the engine is oversubscribed)."""
-    report = view.report
-    total = view.record.kv_blocks_total
-    if report is None:
-        return float(total) / (view.inflight + 1)
-    running, waiting, used = report.num_running, report.num_waiting, report.kv_blocks_used
-    total = total or used + report.kv_blocks_free
-    queued = waiting * used / running if running else 0.0
-    requests = max(running + waiting + view.sent_since_report, view.inflight)
-    return (total - used - view.pending_blocks - queued) / (requests + 1)
+    is counted (negative when the engine is oversubscribed); ``EngineView`` keeps it current."""
+    return view.free
 
 
 def _scaled(values: list[float]) -> list[float]:
@@ -113,7 +107,8 @@ def _scaled(values: list[float]) -> list[float]:
 
 
 def least_load(ask: Ask, views: list[EngineView]) -> list[float]:
-    return _scaled([freeness(v) for v in views])
+    """Freeness scaled to [0, 1] over the candidates."""
+    return _scaled([v.free for v in views])
 
 
 def _hash64(data: bytes) -> int:
@@ -169,17 +164,22 @@ class BoundedRing:
 
 @dataclass
 class Affinity:
-    """A scorer that gives 1 to the engine ``key(ask)`` hashes to (bounded load), 0 to the rest;
-    all 0 when the request has no key."""
+    """A scorer that favours one engine: the one ``key(ask)`` hashes to on the ring (bounded
+    load). It scores 1 there and 0 everywhere else, so it names that engine (None when the
+    request has no key)."""
 
     key: Callable[[Ask], int | None]
     ring: BoundedRing = field(default_factory=BoundedRing)
 
-    def __call__(self, ask: Ask, views: list[EngineView]) -> list[float]:
+    def favourite(self, ask: Ask, views: list[EngineView]) -> str | None:
         key = self.key(ask)
         if key is None:
-            return [0.0] * len(views)
-        owner = self.ring.owner(key, {v.engine_id: v.requests() for v in views})
+            return None
+        return self.ring.owner(key, {v.engine_id: v.held for v in views})
+
+    def __call__(self, ask: Ask, views: list[EngineView]) -> list[float]:
+        """The scores of every engine (1 for the favourite, 0 for the rest)."""
+        owner = self.favourite(ask, views)
         return [1.0 if v.engine_id == owner else 0.0 for v in views]
 
 
@@ -204,25 +204,13 @@ def session_key(ask: Ask) -> int | None:
 # ---- pickers ------------------------------------------------------------------------------
 
 
-class MaxScore:
-    """The engine with the highest weighted score, ties at random."""
-
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
-
-    def __call__(self, ask: Ask, views: list[EngineView], totals: list[float]) -> EngineView:
-        best = max(totals)
-        tied = [v for v, t in zip(views, totals, strict=True) if t >= best - 1e-12]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
-
-
 class RoundRobin:
     """Each model's engines in turn (by engine id), skipping those filtered out."""
 
     def __init__(self) -> None:
         self._turns: dict[str, itertools.count[int]] = {}
 
-    def __call__(self, ask: Ask, views: list[EngineView], totals: list[float]) -> EngineView:
+    def __call__(self, ask: Ask, views: list[EngineView]) -> EngineView:
         turn = next(self._turns.setdefault(ask.model, itertools.count()))
         ordered = sorted(views, key=lambda v: v.engine_id)
         return ordered[turn % len(ordered)]
@@ -266,21 +254,19 @@ class Scheduler:
         self.name = profile
         spec = PROFILES.get(profile, profile)
         self.filters: list[Filter] = [dispatchable, kv_room]
-        self.picker: Callable[[Ask, list[EngineView], list[float]], EngineView]
-        self.scorers: list[tuple[Scorer, float]] = []
-        if profile == "round_robin":
-            self.picker = RoundRobin()
+        self.load_weight = 0.0
+        self.affinities: list[tuple[Affinity, float]] = []
+        self._rng = rng or random.Random()
+        self._round_robin = RoundRobin() if profile == "round_robin" else None
+        if self._round_robin is not None:
             return
-        self.picker = MaxScore(rng)
         for name, weight in parse_weights(spec).items():
-            scorer: Scorer
             if name == "least_load":
-                scorer = least_load
+                self.load_weight = weight
             elif name == "prefix_affinity":
-                scorer = Affinity(prefix_key(prefix_blocks))
+                self.affinities.append((Affinity(prefix_key(prefix_blocks)), weight))
             else:
-                scorer = Affinity(session_key)
-            self.scorers.append((scorer, weight))
+                self.affinities.append((Affinity(session_key), weight))
 
     def pick(self, ask: Ask, views: list[EngineView]) -> EngineView | None:
         """The engine for ``ask`` among ``views`` (None: no engine can take it)."""
@@ -290,10 +276,36 @@ class Scheduler:
                 return None
         if len(views) == 1:
             return views[0]
-        if len(self.scorers) == 1 and self.scorers[0][0] is least_load:
-            # One scorer: its order is all that counts, no need to scale it.
-            return self.picker(ask, views, [freeness(v) for v in views])
-        totals = [0.0] * len(views)
-        for scorer, weight in self.scorers:
-            totals = [total + weight * score for total, score in zip(totals, scorer(ask, views), strict=True)]
-        return self.picker(ask, views, totals)
+        if self._round_robin is not None:
+            return self._round_robin(ask, views)
+        favourites: dict[str, float] = {}
+        for affinity, weight in self.affinities:
+            owner = affinity.favourite(ask, views)
+            if owner is not None:
+                favourites[owner] = favourites.get(owner, 0.0) + weight
+        if not self.load_weight:
+            # Affinity alone: its favourite, else any engine (all score 0).
+            best = max(favourites.values(), default=0.0)
+            tied = [v for v in views if favourites.get(v.engine_id, 0.0) >= best]
+            return self._draw(tied)
+        # least_load scores every engine (freeness scaled to [0, 1]) and affinities add to a
+        # few: the winner is either one of those few or an engine of top freeness, so only they
+        # are summed up.
+        free = [v.free for v in views]
+        low, high = min(free), max(free)
+        top = [v for v, f in zip(views, free, strict=True) if f >= high]
+        if not favourites:
+            return self._draw(top)
+        span = high - low
+
+        def total(view: EngineView) -> float:
+            scaled = (view.free - low) / span if span > 0 else 1.0
+            return self.load_weight * scaled + favourites.get(view.engine_id, 0.0)
+
+        contenders = top + [v for v in views if v.engine_id in favourites and v.free < high]
+        best = max(total(v) for v in contenders)
+        return self._draw([v for v in contenders if total(v) >= best - 1e-12])
+
+    def _draw(self, tied: list[EngineView]) -> EngineView:
+        """One of equally good engines, at random (equal engines share the load)."""
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
