@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -70,6 +72,19 @@ class EngineConfig(BaseModel):
     zmq_curve_key_file: str | None = None
     """The fleet's CURVE key file (``shoal_protos.curve``): router-engine frames are encrypted
     and only fleet members connect. None: plain ZeroMQ."""
+
+    backend: Literal["vllm", "sim"] = "vllm"
+    """vLLM, or ``sim``: a step-time model in its place (``sim_backend.py``), where ``model``
+    names the step model."""
+
+    sim_kv_blocks: int = Field(default=4096, ge=1)
+    """``sim``: KV cache blocks."""
+
+    sim_speed: float = Field(default=1.0, gt=0.0)
+    """``sim``: step times are divided by this (above 1: faster than the modelled hardware)."""
+
+    sim_seed: int = 0
+    """``sim``: seed of the generated token ids."""
 
     migration: bool = False
     """Load Shoal's KV connector so running requests can move to other engines with their KV

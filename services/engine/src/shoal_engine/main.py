@@ -35,6 +35,7 @@ from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration import EngineControlServicer, MigrationError, MigrationManager
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
+from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_protos import curve
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
@@ -45,7 +46,16 @@ logger = logging.getLogger("shoal.engine")
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser = argparse.ArgumentParser(description="Shoal engine: one vLLM engine behind ZeroMQ.")
-    parser.add_argument("--model", required=True, help="model folder")
+    parser.add_argument("--model", required=True, help="model folder (--backend sim: the step model)")
+    parser.add_argument(
+        "--backend",
+        default="vllm",
+        choices=["vllm", "sim"],
+        help="vllm, or sim: vLLM replaced by a step-time model (sim_backend.py) for fleet experiments",
+    )
+    parser.add_argument("--sim-kv-blocks", type=int, default=4096, help="sim: KV cache size in blocks")
+    parser.add_argument("--sim-speed", type=float, default=1.0, help="sim: step times divided by this")
+    parser.add_argument("--sim-seed", type=int, default=0, help="sim: seed of the generated tokens")
     parser.add_argument("--served-model-name", required=True)
     parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
     parser.add_argument("--cluster", default="default")
@@ -77,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="the fleet's CURVE key file (encrypted frames, members only)",
     )
     args = parser.parse_args(argv)
+    if args.backend == "sim" and args.migration:
+        parser.error("--migration needs vLLM's KV cache: the simulated backend does not model it yet")
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -104,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         migration_precopy_mib_per_s=args.migration_precopy_mib_per_s,
         migration_step_timeout_s=args.migration_step_timeout,
         zmq_curve_key_file=args.zmq_curve_key_file,
+        backend=args.backend,
+        sim_kv_blocks=args.sim_kv_blocks,
+        sim_speed=args.sim_speed,
+        sim_seed=args.sim_seed,
     )
 
 
@@ -201,7 +217,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
 
     # A bad key file fails here, before minutes of model loading.
     curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
-    logger.info("loading %s with vLLM", config.model)
+    logger.info("loading %s (%s backend)", config.model, config.backend)
     started = time.monotonic()
     info = await backend.start()
     metrics.kv_blocks_total.set(info.kv_blocks_total)
@@ -361,10 +377,25 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
-    # vLLM is imported only here, so the rest of the package loads without it.
-    from shoal_engine.vllm_backend import VllmBackend
+    backend: EngineBackend
+    if config.backend == "sim":
+        backend = SimulatedBackend(
+            SimConfig(
+                model=config.model,
+                kv_blocks=config.sim_kv_blocks,
+                block_size=config.block_size or 16,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len or 8192,
+                speed=config.sim_speed,
+                seed=config.sim_seed,
+            )
+        )
+    else:
+        # vLLM is imported only here, so the rest of the package loads without it.
+        from shoal_engine.vllm_backend import VllmBackend
 
-    raise SystemExit(asyncio.run(run(config, VllmBackend(config))))
+        backend = VllmBackend(config)
+    raise SystemExit(asyncio.run(run(config, backend)))
 
 
 if __name__ == "__main__":

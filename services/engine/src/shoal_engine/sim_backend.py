@@ -1,0 +1,323 @@
+"""``SimulatedBackend``: the ``EngineBackend`` protocol with vLLM replaced by a step-time model.
+
+Fleet experiments need more engines than one machine can run for real. A simulated engine is
+the real engine service (the same ZeroMQ frames to routers, the same records and load reports
+in Redis) with this backend in place of vLLM, so the real router and its scheduler drive it.
+
+The model follows vLLM's continuous batching, simplified:
+
+* The KV cache holds ``kv_blocks`` blocks of ``block_size`` tokens; a request holds the blocks
+  of its context (prompt plus tokens generated so far).
+* Each step first admits waiting requests, first come first served, while the batch has a free
+  slot (``max_num_seqs``), the step's prefill budget (``max_batched_tokens``) lasts and the
+  blocks of the request's whole context are free; an admitted request is prefilled in that
+  step (a prompt over the budget is prefilled alone; vLLM would split it over steps). Every
+  request already running decodes one token. One that needs a new block when none is free
+  preempts the newest running request (vLLM's recompute preemption: its blocks are freed, it
+  goes back to the head of the line with the tokens it has, and is prefilled again when
+  readmitted).
+* A step lasts ``StepModel.step_ms(decoding requests, prefill tokens, context tokens)``,
+  divided by ``speed`` (above 1: faster than the modelled hardware, for quick runs). Each
+  request admitted or decoding gets one token at the end of its step.
+* Token ids are drawn from a generator seeded by the engine's seed and the prompt, so a run is
+  the same for the same seed. There is no end-of-sequence token: a request runs to its
+  ``max_tokens`` or to one of its ``stop_token_ids``. The text of a token is its id.
+
+A migrated request's KV (``kv_params``) is not modelled yet: such requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+from array import array
+from collections import deque
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+from shoal_engine.backend import (
+    BackendDeadError,
+    BackendInfo,
+    BackendLoad,
+    BackendOutput,
+    BackendRequestError,
+)
+from shoal_protos.messages import FinishReason, SamplingOptions
+
+logger = logging.getLogger(__name__)
+PREEMPTIONS = Counter(
+    "shoal_sim_preemptions", "Requests a simulated engine preempted for want of KV blocks (recompute)"
+)
+"""In the default registry, so an engine's /metrics shows it (only simulated engines have it)."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The duration of one engine step from what it computes.
+
+    ``base_ms`` is paid by every step that runs anything (reading the weights, launching the
+    step), ``decode_ms`` per request decoding a token, ``prefill_ms`` per prompt token
+    prefilled, ``context_us`` per token of context a decoding request attends to (reading its
+    KV), and ``pair_us`` per pair of prompt tokens a prefill attends across (attention's
+    quadratic part).
+    """
+
+    name: str
+    base_ms: float
+    decode_ms: float
+    prefill_ms: float
+    context_us: float
+    pair_us: float
+    source: str
+
+    def step_ms(self, decoding: int, prefills: list[int], context_tokens: int) -> float:
+        if not decoding and not prefills:
+            return 0.0
+        prefill = sum(self.prefill_ms * n + self.pair_us * n * n / 2000.0 for n in prefills)
+        return self.base_ms + self.decode_ms * decoding + prefill + self.context_us * context_tokens / 1000.0
+
+
+STEP_MODELS = {
+    model.name: model
+    for model in (
+        StepModel(
+            name="smollm2-cpu",
+            base_ms=30.35,
+            decode_ms=2.5,
+            prefill_ms=1.6,
+            context_us=4.5,
+            pair_us=0.84,
+            source="SmolLM2-135M on one core of this repository's CPU machines, fit to docs/benchmarks.md: "
+            "one stream's inter-token gap (34.0 ms at 256 tokens of context, 68.8 ms at 8,000), "
+            "recomputing a context (0.41 s for 256 tokens, 13.1 s for 4,096, 39.8 s for 8,000) and "
+            "eight concurrent streams (TPOT 53-63 ms)",
+        ),
+        StepModel(
+            name="llama3-8b-a100",
+            base_ms=8.0,
+            decode_ms=0.05,
+            prefill_ms=0.1,
+            context_us=0.066,
+            pair_us=0.0034,
+            source="a roofline estimate for Llama-3.1-8B in bf16 on one A100-80GB: 16 GB of weights "
+            "read per step at 2.0 TB/s (8 ms), 128 KiB of KV per context token read per decode, "
+            "16 GFLOP per prefilled token at half of 312 TFLOPS",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str = "smollm2-cpu"
+    kv_blocks: int = 4096
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    speed: float = 1.0
+    seed: int = 0
+    vocab_size: int = 32_000
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    rng: random.Random
+    generated: int = 0
+    blocks: int = 0
+    pending: list[int] = field(default_factory=list)
+    finish: FinishReason | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.generated
+
+
+class SimulatedBackend:
+    """An engine whose model is ``StepModel`` and whose batch and KV cache are bookkeeping."""
+
+    def __init__(self, config: SimConfig) -> None:
+        if config.model not in STEP_MODELS:
+            raise ValueError(f"unknown step model {config.model!r} (known: {', '.join(STEP_MODELS)})")
+        if config.kv_blocks * config.block_size < config.max_model_len:
+            # Else a request could outgrow the whole cache and wait forever.
+            raise ValueError("the KV cache must hold at least one request of max_model_len tokens")
+        self.config = config
+        self.model = STEP_MODELS[config.model]
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._free = config.kv_blocks
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._load = BackendLoad(kv_blocks_total=config.kv_blocks)
+        self.preemptions = 0
+        self.steps = 0
+
+    async def start(self) -> BackendInfo:
+        self._task = asyncio.create_task(self._run(), name="simulated-engine")
+        logger.info(
+            "simulated engine: %s (%s), %d KV blocks of %d tokens, speed x%g",
+            self.model.name,
+            self.model.source,
+            self.config.kv_blocks,
+            self.config.block_size,
+            self.config.speed,
+        )
+        return BackendInfo(max_model_len=self.config.max_model_len, kv_blocks_total=self.config.kv_blocks)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        kv_params: dict[str, object] | None = None,
+    ) -> AsyncGenerator[BackendOutput]:
+        if kv_params:
+            raise BackendRequestError("the simulated engine does not take a migrated request's KV")
+        if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:
+            raise BackendRequestError(
+                f"prompt ({len(prompt_token_ids)}) plus max_tokens ({sampling.max_tokens}) exceed "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        digest = hashlib.blake2b(array("q", prompt_token_ids).tobytes(), digest_size=8).digest()
+        seed = int.from_bytes(digest, "little") ^ self.config.seed ^ (sampling.seed or 0)
+        request = _Request(
+            request_id,
+            len(prompt_token_ids),
+            sampling.max_tokens,
+            frozenset(sampling.stop_token_ids),
+            random.Random(seed),
+        )
+        self._waiting.append(request)
+        self._wake.set()
+        try:
+            while True:
+                await request.ready.wait()
+                request.ready.clear()
+                tokens, request.pending = request.pending, []
+                text = "".join(f" {token}" for token in tokens)
+                yield BackendOutput(tokens, text, request.finish)
+                if request.finish is not None:
+                    return
+        finally:
+            if request.finish is None:
+                self._drop(request)
+
+    def load(self) -> BackendLoad:
+        load = self._load
+        load.num_running = len(self._running)
+        load.num_waiting = len(self._waiting)
+        load.kv_blocks_used = self.config.kv_blocks - self._free
+        return load
+
+    async def check_health(self) -> None:
+        if self._task is not None and self._task.done():
+            raise BackendDeadError("the simulated engine's step loop ended")
+
+    def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # ---- the step loop ---------------------------------------------------------------------
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    def _drop(self, request: _Request) -> None:
+        """An aborted request leaves the line or the batch and gives its blocks back."""
+        if request in self._running:
+            self._running.remove(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        self._free += request.blocks
+        request.blocks = 0
+
+    def _admit(self) -> list[_Request]:
+        budget = self.config.max_batched_tokens
+        admitted: list[_Request] = []
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            need = self._blocks(request.context + 1)
+            if need > self._free or (admitted and request.context > budget):
+                break
+            self._waiting.popleft()
+            request.blocks = need
+            self._free -= need
+            self._running.append(request)
+            admitted.append(request)
+            budget -= request.context
+            if budget <= 0:
+                break
+        return admitted
+
+    def _grow(self, decoding: list[_Request]) -> list[_Request]:
+        """Give each decoding request the block its next token needs; preempt the newest
+        running requests when none is free. Returns those still decoding."""
+        for request in decoding:
+            if request not in self._running:
+                continue  # preempted earlier in this pass
+            while self._blocks(request.context + 1) > request.blocks:
+                if self._free:
+                    self._free -= 1
+                    request.blocks += 1
+                    continue
+                victim = self._running[-1]
+                self._running.pop()
+                self._free += victim.blocks
+                victim.blocks = 0
+                self._waiting.appendleft(victim)
+                self.preemptions += 1
+                PREEMPTIONS.inc()
+                if victim is request:
+                    break
+        return [r for r in decoding if r in self._running]
+
+    def _emit(self, request: _Request) -> None:
+        token = request.rng.randrange(self.config.vocab_size)
+        request.generated += 1
+        request.pending.append(token)
+        if token in request.stop_token_ids:
+            request.finish = FinishReason.STOP
+        elif request.generated >= request.max_tokens:
+            request.finish = FinishReason.LENGTH
+        if request.finish is not None:
+            self._running.remove(request)
+            self._free += request.blocks
+            request.blocks = 0
+        request.ready.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        step_ema_ms = 0.0
+        while True:
+            if not self._running and not self._waiting:
+                self._load.step_time_ms = step_ema_ms = 0.0
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = loop.time()
+            decoding = list(self._running)
+            admitted = self._admit()
+            decoding = self._grow(decoding)
+            admitted = [r for r in admitted if r in self._running]
+            if not admitted and not decoding:  # cannot happen (a lone request always fits)
+                raise RuntimeError("the simulated engine has requests but can run none")
+            context = sum(r.context for r in decoding)
+            step_ms = self.model.step_ms(len(decoding), [r.context for r in admitted], context)
+            await asyncio.sleep(max(0.0, started + step_ms / 1000.0 / self.config.speed - loop.time()))
+            for request in admitted + decoding:
+                if request in self._running:  # not aborted during the step
+                    self._emit(request)
+            self.steps += 1
+            elapsed_ms = (loop.time() - started) * 1000.0
+            step_ema_ms = elapsed_ms if not step_ema_ms else 0.8 * step_ema_ms + 0.2 * elapsed_ms
+            self._load.step_time_ms = step_ema_ms

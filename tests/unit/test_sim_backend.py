@@ -1,0 +1,151 @@
+"""The simulated engine backend: streams, determinism, the step-time model, KV block accounting,
+preemption when the cache is full, aborts, and the batch limit. Runs at a high ``speed`` (the
+model's step times divided by it) so the tests take milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shoal_engine.backend import BackendRequestError
+from shoal_engine.sim_backend import STEP_MODELS, SimConfig, SimulatedBackend, StepModel
+from shoal_protos.messages import FinishReason, SamplingOptions
+
+FAST = 2000.0
+
+
+async def _started(speed: float = FAST, **config: object) -> SimulatedBackend:
+    backend = SimulatedBackend(SimConfig(speed=speed, **config))  # type: ignore[arg-type]
+    await backend.start()
+    return backend
+
+
+async def _run(
+    backend: SimulatedBackend, prompt: list[int], max_tokens: int, **sampling: object
+) -> tuple[list[int], FinishReason | None]:
+    tokens: list[int] = []
+    finish = None
+    options = SamplingOptions(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
+    async for output in backend.generate(f"r{len(prompt)}-{prompt[0]}", prompt, options):
+        tokens += output.token_ids
+        finish = output.finish_reason
+        assert output.text == "".join(f" {t}" for t in output.token_ids)
+    return tokens, finish
+
+
+async def test_a_request_streams_its_tokens_the_same_for_the_same_seed() -> None:
+    backend = await _started(seed=7)
+    try:
+        tokens, finish = await _run(backend, [1, 2, 3], 25)
+        again, _ = await _run(backend, [1, 2, 3], 25)
+        other, _ = await _run(backend, [1, 2, 4], 25)
+    finally:
+        backend.shutdown()
+    assert len(tokens) == 25 and finish is FinishReason.LENGTH
+    assert again == tokens and other != tokens
+    reseeded = await _started(seed=8)
+    try:
+        assert (await _run(reseeded, [1, 2, 3], 25))[0] != tokens
+    finally:
+        reseeded.shutdown()
+
+
+async def test_a_stop_token_ends_the_request() -> None:
+    backend = await _started(vocab_size=4)  # a token out of four: one of them comes soon
+    try:
+        tokens, finish = await _run(backend, [5, 6], 500, stop_token_ids=[3])
+    finally:
+        backend.shutdown()
+    assert finish is FinishReason.STOP and tokens[-1] == 3 and 3 not in tokens[:-1]
+
+
+def test_step_time_grows_with_batch_context_and_prefill() -> None:
+    model = STEP_MODELS["smollm2-cpu"]
+    assert model.step_ms(0, [], 0) == 0.0  # an idle engine runs no step
+    one = model.step_ms(1, [], 256)
+    assert one == pytest.approx(34.0, abs=1.0)  # one stream's gap at 256 tokens, as measured
+    assert model.step_ms(1, [], 8000) == pytest.approx(68.8, abs=1.5)
+    assert model.step_ms(8, [], 8 * 256) > one
+    # Recomputing 4,096 tokens of context on this CPU took 13.1 s.
+    assert model.step_ms(0, [4096], 0) / 1000 == pytest.approx(13.1, rel=0.1)
+    gpu = STEP_MODELS["llama3-8b-a100"]
+    assert 8.0 < gpu.step_ms(64, [], 64 * 1000) < 20.0  # memory-bound decode: weights dominate
+    assert isinstance(gpu, StepModel) and gpu.source
+
+
+async def test_blocks_follow_the_contexts_and_come_back() -> None:
+    backend = await _started(speed=1.0, block_size=16, kv_blocks=512, max_model_len=2048)
+    try:
+        stream = backend.generate("a", list(range(40)), SamplingOptions(max_tokens=30))
+        first = await anext(stream)
+        assert len(first.token_ids) >= 1
+        load = backend.load()
+        # 40 prompt tokens plus the ones generated, and room for the next: 3 or 4 blocks.
+        assert load.num_running == 1 and 3 <= load.kv_blocks_used <= 5
+        async for _ in stream:
+            pass
+        assert backend.load().kv_blocks_used == 0 and backend.load().kv_blocks_total == 512
+    finally:
+        backend.shutdown()
+
+
+async def test_a_full_cache_preempts_and_every_request_still_completes() -> None:
+    # 8 blocks of 16 tokens: each request grows to 120 tokens (8 blocks), so two cannot both fit.
+    backend = await _started(block_size=16, kv_blocks=8, max_model_len=128)
+    alone = await _started(block_size=16, kv_blocks=64, max_model_len=128)
+    try:
+        prompts = [list(range(10 + i, 50 + i)) for i in range(3)]
+        results = await asyncio.gather(*(_run(backend, p, 80) for p in prompts))
+        references = [await _run(alone, p, 80) for p in prompts]
+    finally:
+        backend.shutdown()
+        alone.shutdown()
+    assert backend.preemptions >= 1 and alone.preemptions == 0
+    assert results == references  # preemption recomputes; nothing lost, nothing repeated
+    assert backend.load().kv_blocks_used == 0
+
+
+async def test_an_abort_frees_the_requests_blocks() -> None:
+    backend = await _started(kv_blocks=256, max_model_len=4096)
+    try:
+        stream = backend.generate("a", list(range(300)), SamplingOptions(max_tokens=1000))
+        await anext(stream)
+        assert backend.load().kv_blocks_used >= 19
+        await stream.aclose()  # the client went away
+        assert backend.load().kv_blocks_used == 0 and backend.load().num_running == 0
+    finally:
+        backend.shutdown()
+
+
+async def test_the_batch_limit_keeps_requests_waiting() -> None:
+    backend = await _started(speed=50.0, max_num_seqs=1)
+    try:
+        first = asyncio.create_task(_run(backend, [1, 2], 200))
+        second = backend.generate("b", [3, 4], SamplingOptions(max_tokens=5))
+        waiting = asyncio.create_task(anext(second))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if backend.load().num_waiting:
+                break
+        assert (backend.load().num_running, backend.load().num_waiting) == (1, 1)
+        await first
+        await waiting
+        await second.aclose()
+    finally:
+        backend.shutdown()
+
+
+async def test_bad_requests_and_configs_are_refused() -> None:
+    backend = await _started(max_model_len=64, kv_blocks=8)
+    try:
+        with pytest.raises(BackendRequestError, match="max_model_len"):
+            await anext(backend.generate("a", list(range(60)), SamplingOptions(max_tokens=10)))
+        with pytest.raises(BackendRequestError, match="migrated"):
+            await anext(backend.generate("a", [1], SamplingOptions(max_tokens=1), kv_params={"x": 1}))
+    finally:
+        backend.shutdown()
+    with pytest.raises(ValueError, match="unknown step model"):
+        SimulatedBackend(SimConfig(model="gpt-9"))
+    with pytest.raises(ValueError, match="at least one request"):
+        SimulatedBackend(SimConfig(kv_blocks=4, block_size=16, max_model_len=128))
