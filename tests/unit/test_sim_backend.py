@@ -124,11 +124,12 @@ async def test_the_batch_limit_keeps_requests_waiting() -> None:
         first = asyncio.create_task(_run(backend, [1, 2], 200))
         second = backend.generate("b", [3, 4], SamplingOptions(max_tokens=5))
         waiting = asyncio.create_task(anext(second))
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if backend.load().num_waiting:
-                break
-        assert (backend.load().num_running, backend.load().num_waiting) == (1, 1)
+        # The first is admitted at the next step; the second then waits behind it.
+        deadline = asyncio.get_running_loop().time() + 5
+        while (backend.load().num_running, backend.load().num_waiting) != (1, 1):
+            assert asyncio.get_running_loop().time() < deadline, backend.load()
+            await asyncio.sleep(0.001)
+        assert not waiting.done()
         await first
         await waiting
         await second.aclose()
