@@ -23,7 +23,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from report import update_section
+from report import publish
 
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
@@ -139,10 +139,7 @@ def main() -> None:
             END,
         ]
     )
-    print(section)
-    if not args.no_docs:
-        update_section(section, BEGIN, END)
-        print("wrote docs/benchmarks.md")
+    publish(section, BEGIN, END, args.no_docs)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 
 import kmock
 import kopf
-from report import update_section
+from report import publish
 from shoal_operator.children import Cluster, render
 from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import CLUSTER_API_VERSION, Reconciler
@@ -266,10 +266,7 @@ def main() -> None:
             END,
         ]
     )
-    print(section)
-    if not args.no_docs:
-        update_section(section, BEGIN, END)
-        print("wrote docs/benchmarks.md")
+    publish(section, BEGIN, END, args.no_docs)
 
 
 if __name__ == "__main__":

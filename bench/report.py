@@ -23,3 +23,11 @@ def update_section(section: str, begin: str, end: str, path: Path = DOCS) -> Non
         text += section + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def publish(section: str, begin: str, end: str, print_only: bool) -> None:
+    """Print a benchmark's section and, unless ``print_only``, write it into the docs."""
+    print(section)
+    if not print_only:
+        update_section(section, begin, end)
+        print(f"wrote {DOCS.relative_to(ROOT)}")

@@ -7,11 +7,35 @@ prompt blocks, which the report cannot know yet).
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar, cast, overload
+
 from shoal_protos.records import EngineRecord, EngineState, LoadReport
+
+T = TypeVar("T")
 
 ACTIVE = EngineState.ACTIVE
 UNKNOWN_ROOM = 1 << 62
 """``room`` of an engine whose KV size nobody reported yet: room for anything."""
+
+
+class _Input(Generic[T]):
+    """An input of an ``EngineView``'s derived numbers: setting it computes them again."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+
+    @overload
+    def __get__(self, view: None, owner: type) -> _Input[T]: ...
+
+    @overload
+    def __get__(self, view: EngineView, owner: type) -> T: ...
+
+    def __get__(self, view: EngineView | None, owner: type) -> T | _Input[T]:
+        return self if view is None else cast(T, getattr(view, self._slot))
+
+    def __set__(self, view: EngineView, value: T) -> None:
+        setattr(view, self._slot, value)
+        view._derive()
 
 
 class EngineView:
@@ -70,54 +94,15 @@ class EngineView:
         total = total or used + report.kv_blocks_free
         self.free = (total - used - self._pending_blocks - queued) / (self.held + 1)
 
-    @property
-    def record(self) -> EngineRecord:
-        return self._record
-
-    @record.setter
-    def record(self, record: EngineRecord) -> None:
-        self._record = record
-        self._derive()
+    record: _Input[EngineRecord] = _Input()
+    connected: _Input[bool] = _Input()
+    sent_since_report: _Input[int] = _Input()
+    pending_blocks: _Input[int] = _Input()
+    inflight: _Input[int] = _Input()
 
     @property
     def report(self) -> LoadReport | None:
         return self._report
-
-    @property
-    def connected(self) -> bool:
-        return self._connected
-
-    @connected.setter
-    def connected(self, up: bool) -> None:
-        self._connected = up
-        self._derive()
-
-    @property
-    def sent_since_report(self) -> int:
-        return self._sent_since_report
-
-    @sent_since_report.setter
-    def sent_since_report(self, count: int) -> None:
-        self._sent_since_report = count
-        self._derive()
-
-    @property
-    def pending_blocks(self) -> int:
-        return self._pending_blocks
-
-    @pending_blocks.setter
-    def pending_blocks(self, blocks: int) -> None:
-        self._pending_blocks = blocks
-        self._derive()
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
-    @inflight.setter
-    def inflight(self, count: int) -> None:
-        self._inflight = count
-        self._derive()
 
     def sent(self, blocks: int) -> None:
         """This router sent the engine a request whose prompt takes ``blocks`` KV blocks."""
