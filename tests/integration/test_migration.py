@@ -379,6 +379,29 @@ def test_migration_is_recorded_in_redis_and_metrics(smol_fleet: RunningFleet) ->
     assert move.migration_id in {m.migration_id for m in listed.migrations}
 
 
+def test_a_source_left_to_choose_moves_its_cheapest_request(smol_fleet: RunningFleet) -> None:
+    """A balancing policy names no request (``request_id`` empty): the source picks its running
+    request with the least KV to copy, here the only one, and the stream goes on unchanged."""
+    prompt = [801, 802, 803, 804]
+    ref_ids, _ = unmoved(smol_fleet, prompt, LONG)
+    moved: list[pb.MigrationResult] = []
+
+    def move_any(out: Streamed) -> None:
+        if out.chunks == 4 and not moved:
+            request = pb.MigrateRequest(target_engine_id=_other(out.first_engine), reason="balance")
+            moved.append(smol_fleet.control(out.first_engine).Migrate(request, timeout=60))
+
+    for _attempt in range(3):  # a stream that ended before the move is streamed again
+        moved.clear()
+        got = stream(smol_fleet, prompt, LONG, move_any)
+        if moved and moved[0].outcome != pb.GONE:
+            break
+    (result,) = moved
+    assert result.outcome == pb.MIGRATED, result
+    assert result.request_id == got.request_id and result.reason == "balance"
+    assert got.token_ids == ref_ids
+
+
 async def test_drain_moves_every_stream_off_the_engine(smol_fleet: RunningFleet) -> None:
     """16 concurrent greedy streams; one engine is drained while they decode: every request
     it ran leaves it, and every stream completes identical to its reference."""

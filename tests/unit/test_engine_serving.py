@@ -17,6 +17,7 @@ import pytest
 from shoal_engine.backend import BackendDeadError, BackendOutput, BackendRequestError
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.serving import EngineService
+from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -606,3 +607,30 @@ async def test_request_failing_while_stopping_for_migration_is_not_moved(
     assert await asyncio.wait_for(stopping, WAIT_S) is None
     final = await send.wait_final("f")
     assert final.finish_reason == FinishReason.ERROR
+
+
+async def test_the_cheapest_request_to_move_has_produced_a_token_and_has_tokens_to_go(
+    send: FakeSend, metrics: EngineMetrics, fatal: list[BaseException]
+) -> None:
+    """What a balancing migration moves when it names no request: the fewest tokens (least KV)
+    among requests that produced a token here and have enough left. The simulated backend runs
+    the requests (two at a time, so the third waits without a token)."""
+    backend = SimulatedBackend(SimConfig(speed=20.0, max_num_seqs=2))
+    await backend.start()
+    svc = EngineService(ENGINE_ID, backend, send, metrics, fatal.append)
+    try:
+        long_prompt = AddRequest("long", list(range(100)), SamplingOptions(max_tokens=2000), ROUTER_A)
+        short_prompt = AddRequest("short", [7, 8, 9], SamplingOptions(max_tokens=2000), ROUTER_A)
+        waiting = AddRequest("waiting", [5], SamplingOptions(max_tokens=2000), ROUTER_A)
+        for add in (long_prompt, short_prompt, waiting):
+            svc.on_request(add)
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while not all((svc.tokens_of(rid) or 0) > size for rid, size in (("long", 100), ("short", 3))):
+            assert asyncio.get_running_loop().time() < deadline, "the requests produced no token"
+            await asyncio.sleep(0.005)
+        assert svc.tokens_of("waiting") == 1  # its prompt only: it waits for a batch slot
+        assert svc.cheapest_to_move(min_left=16) == "short"
+        assert svc.cheapest_to_move(min_left=10_000) is None  # nothing has that much to go
+    finally:
+        await svc.drain(0)
+        backend.shutdown()

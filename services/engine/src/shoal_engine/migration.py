@@ -74,6 +74,10 @@ logger = logging.getLogger(__name__)
 _UNREACHABLE_S = 10.0
 """How long a target whose control API refused connections is left out of target picking."""
 
+MIN_TOKENS_LEFT = 16
+"""A request the engine picks to move must have this many tokens still to generate (moving one
+about to finish costs more than it saves)."""
+
 _OUTCOME_NAMES = {pb.MIGRATED: "MIGRATED", pb.REFUSED: "REFUSED", pb.FAILED: "FAILED", pb.GONE: "GONE"}
 
 # Sets the owner record only if its generation moves forward (fencing).
@@ -181,6 +185,8 @@ class MigrationManager:
         self, request_id: str, target_engine_id: str, reason: str, mode: int = pb.PRECOPY
     ) -> pb.MigrationResult:
         started = time.perf_counter()
+        if not request_id:  # the caller (a balancing policy) leaves the choice to this engine
+            request_id = self._service.cheapest_to_move(MIN_TOKENS_LEFT) or ""
         result = pb.MigrationResult(
             migration_id=uuid.uuid4().hex[:16],
             request_id=request_id,
@@ -188,6 +194,9 @@ class MigrationManager:
             target_engine_id=target_engine_id,
             reason=reason or "admin",
         )
+        if not request_id:
+            detail = f"no running request here has produced a token and has {MIN_TOKENS_LEFT}+ to go"
+            return self._finish(result, pb.GONE, detail, started)
         if request_id in self._moving:
             return self._finish(result, pb.GONE, "the request is already moving", started)
         if self._service.tokens_of(request_id) is None:

@@ -137,6 +137,20 @@ class EngineService:
         """The engine a request that left this one went to, if it is remembered."""
         return self._moved.get(request_id)
 
+    def cheapest_to_move(self, min_left: int) -> str | None:
+        """The running request a balancing migration should move: of those that produced a
+        token here (their KV exists) and have at least ``min_left`` tokens to go, the one with
+        the fewest tokens (the least KV to copy). None when no request qualifies."""
+        best: tuple[int, str] | None = None
+        for request_id, running in self._running.items():
+            if running.migrating or running.produced < 1:
+                continue
+            tokens = len(running.add.prompt_token_ids) + len(running.output_ids)
+            limit = self.max_tokens_of(request_id) or tokens
+            if limit - tokens >= min_left and (best is None or tokens < best[0]):
+                best = (tokens, request_id)
+        return None if best is None else best[1]
+
     def max_tokens_of(self, request_id: str) -> int | None:
         running = self._running.get(request_id)
         if running is None:
