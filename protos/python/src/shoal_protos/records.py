@@ -135,6 +135,11 @@ class Keys:
         once, and routers give engines time to register again instead of dropping them."""
         return self.prefix + "epoch"
 
+    @property
+    def leader(self) -> str:
+        """The lease of the router that issues the cluster's balancing migrations (its id)."""
+        return self.prefix + "leader"
+
 
 json_encoder = msgspec.json.Encoder()
 engine_record_decoder = msgspec.json.Decoder(EngineRecord)

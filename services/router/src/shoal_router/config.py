@@ -79,6 +79,22 @@ class RouterConfig(BaseModel):
     session_header: str = Field(default="x-session-id", min_length=1, pattern=r"^[A-Za-z0-9\-]+$")
     """The request header session affinity keys on."""
 
+    balance: bool = False
+    """Compete for the cluster's leader lease and, holding it, move running requests from
+    crowded engines to free ones (``core.rebalance``; engines need ``--migration``)."""
+
+    balance_interval_s: float = Field(default=1.0, gt=0.0)
+    """How often the leader compares the engines."""
+
+    balance_threshold: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Lead in freeness (fraction of the KV cache per batch slot) that calls for a move."""
+
+    balance_cooldown_s: float = Field(default=5.0, ge=0.0)
+    """An engine that took part in a balancing move is left alone this long after it."""
+
+    leader_ttl_s: float = Field(default=5.0, gt=0.0)
+    """The leader lease's lifetime: a dead leader's successor takes over after it."""
+
     retry_after_s: int = Field(default=1, ge=1)
     """``Retry-After`` of 503 answers when no engine can serve."""
 

@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import uvicorn
 import uvloop
@@ -25,7 +25,9 @@ from shoal_router.api.app import create_app
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
+from shoal_router.core.dispatch import EngineView
 from shoal_router.core.ratelimit import Limits, RateLimiter
+from shoal_router.core.rebalance import BalancePolicy, Lease, Rebalancer
 from shoal_router.core.scheduling import Scheduler
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
@@ -75,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--prefix-blocks", type=int, default=4, help="prompt blocks prefix affinity keys on")
     parser.add_argument("--session-header", default="x-session-id", help="header session affinity keys on")
     parser.add_argument(
+        "--balance", action="store_true", help="as the cluster's leader, move requests off crowded engines"
+    )
+    parser.add_argument("--balance-interval", type=float, default=1.0, help="seconds between checks")
+    parser.add_argument("--balance-threshold", type=float, default=0.1, help="freeness lead calling a move")
+    parser.add_argument("--balance-cooldown", type=float, default=5.0, help="seconds an engine rests after")
+    parser.add_argument(
         "--redis-restart-grace",
         type=float,
         default=10.0,
@@ -103,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         scheduler=args.scheduler,
         prefix_blocks=args.prefix_blocks,
         session_header=args.session_header,
+        balance=args.balance,
+        balance_interval_s=args.balance_interval,
+        balance_threshold=args.balance_threshold,
+        balance_cooldown_s=args.balance_cooldown,
     )
 
 
@@ -165,6 +177,19 @@ def build_app(config: RouterConfig) -> FastAPI:
             asyncio.create_task(engines.ingest_forever(), name="zmq-ingest"),
             asyncio.create_task(fleet.poll_forever(config.fleet_poll_interval_s), name="fleet-poll"),
         ]
+        if config.balance:
+
+            def engine_views() -> Iterable[EngineView]:
+                return fleet.engines.values()
+
+            rebalancer = Rebalancer(
+                Lease(redis_client, Keys(config.cluster).leader, config.router_id, config.leader_ttl_s),
+                engine_views,
+                metrics,
+                BalancePolicy(threshold=config.balance_threshold, cooldown_s=config.balance_cooldown_s),
+                config.balance_interval_s,
+            )
+            tasks.append(asyncio.create_task(rebalancer.run_forever(), name="rebalance"))
         logger.info(
             "router %s: outputs on %s, serving %s",
             config.router_id,

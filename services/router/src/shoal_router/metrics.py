@@ -59,6 +59,17 @@ class RouterMetrics:
             ["model", "code"],
             registry=r,
         )
+        self.balance_migrations = Counter(
+            "shoal_router_balance_migrations",
+            "Balancing migrations this router asked for as the cluster's leader, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.leader = Gauge(
+            "shoal_router_leader",
+            "1 while this router holds the lease that lets it issue balancing migrations.",
+            registry=r,
+        )
         self.engines = Gauge(
             "shoal_router_engines",
             "Engines seen in Redis, by model and state.",
