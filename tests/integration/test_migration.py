@@ -341,7 +341,7 @@ def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> N
         stream(smol_fleet, [601, 602, 603], 2 * LONG, move_then_leave)
     assert moved[0].outcome == pb.MIGRATED
     owner = moved[0].target_engine_id
-    wait_until(lambda: aborted(owner) > before[owner], 10.0, f"{owner} to abort the abandoned request")
+    wait_until(lambda: aborted(owner) > before[owner], 30.0, f"{owner} to abort the abandoned request")
 
 
 def test_migration_is_recorded_in_redis_and_metrics(smol_fleet: RunningFleet) -> None:

@@ -1,20 +1,26 @@
 """Balancing migrations with real parts: the leader lease in a real Redis, and two routers in
-front of the two SmolLM2 engines, one of them piling requests on one engine (session affinity
-with one session) and holding the lease: it moves requests to the other engine while every
-stream, through either router, completes exactly once with its reference's tokens."""
+front of the two SmolLM2 engines with every stream piled on one engine (the other out of the
+rotation while they start). The router with ``--balance`` holds the lease and moves requests to
+the idle engine while every stream, through either router, completes exactly once with its
+reference's tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import redis.asyncio as aioredis
 
+from shoal_protos.records import EngineState, engine_record_decoder, json_encoder
 from shoal_router.core.rebalance import Lease
 from tests.integration.support import (
     GREEDY_IDS,
@@ -23,12 +29,13 @@ from tests.integration.support import (
     free_port,
     greedy_ids,
     redis_server,
+    wait_until,
 )
 from tests.integration.test_migration import _agree
 
 pytestmark = pytest.mark.integration
 
-STREAMS_B, STREAMS_A, MAX_TOKENS = 6, 2, 200
+STREAMS_B, STREAMS_A, MAX_TOKENS = 6, 2, 240
 
 
 async def test_one_leader_at_a_time_and_a_successor_after_expiry() -> None:
@@ -66,9 +73,10 @@ async def test_two_routers_one_balancing_every_stream_exactly_once(
     cfg = smol_fleet.cfg
     assert cfg.zmq_curve_key_file is not None
     args = (
-        "--scheduler", "session_affinity", "--balance", "--balance-interval", "0.3",
-        "--balance-cooldown", "1", "--zmq-curve-key-file", cfg.zmq_curve_key_file,
+        "--balance", "--balance-interval", "0.3", "--balance-cooldown", "1",
+        "--zmq-curve-key-file", cfg.zmq_curve_key_file,
     )  # fmt: skip
+    crowded, idle = (cfg.engine_id(i) for i in range(2))
     prompts = [[1100 + 17 * i + j for j in range(6)] for i in range(STREAMS_A + STREAMS_B)]
     main = openai.AsyncOpenAI(
         base_url=smol_fleet.base_url + "/v1", api_key="unused", max_retries=0, timeout=300
@@ -76,34 +84,63 @@ async def test_two_routers_one_balancing_every_stream_exactly_once(
     references = await asyncio.gather(*(greedy_ids(main, smol_fleet.model, p, MAX_TOKENS) for p in prompts))
     with extra_router(smol_fleet, "router-balancer", tmp_path, *args) as (url, _):
         balancer = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        started = asyncio.Event()
+        first_engines: list[str] = []
 
-        async def streamed(
-            client: openai.AsyncOpenAI, prompt: list[int], session: str
-        ) -> tuple[str, list[int]]:
+        async def streamed(client: openai.AsyncOpenAI, prompt: list[int]) -> list[int]:
             response = await client.completions.create(
                 model=smol_fleet.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                extra_body=GREEDY_IDS, extra_headers={"x-session-id": session},
+                extra_body=GREEDY_IDS,
             )  # fmt: skip
+            first_engines.append(response.response.headers["x-shoal-engine"])
+            if len(first_engines) == len(prompts):
+                started.set()
             ids: list[int] = []
             async for chunk in response:
                 ids.extend(chunk.choices[0].model_extra["token_ids"])  # type: ignore[index]
-            return response.response.headers["x-shoal-engine"], ids
+            return ids
 
-        # One session through the balancing router piles its streams on one engine (its bound
-        # on load lets it take most of them); two more streams go through the fleet's router.
-        tasks = [streamed(balancer, p, "one-user") for p in prompts[:STREAMS_B]]
-        tasks += [streamed(main, p, f"user-{i}") for i, p in enumerate(prompts[STREAMS_B:])]
+        # Pile every stream on one engine: the other's record says DRAINING while they start
+        # (both routers then send nothing there), and ACTIVE again once all have begun.
+        with _out_of_rotation(smol_fleet, idle, [smol_fleet.base_url, url]):
+            tasks = [asyncio.create_task(streamed(balancer, p)) for p in prompts[:STREAMS_B]]
+            tasks += [asyncio.create_task(streamed(main, p)) for p in prompts[STREAMS_B:]]
+            await asyncio.wait_for(started.wait(), 120)
         got = await asyncio.wait_for(asyncio.gather(*tasks), 300)
         counts = _balance_counts(url)
-    firsts = [engine for engine, _ in got[:STREAMS_B]]
-    assert max(firsts.count(e) for e in set(firsts)) >= 4, firsts  # the pile the balancer found
+    assert set(first_engines) == {crowded}, first_engines
     assert counts.get("MIGRATED", 0) >= 1, counts
     listed = smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 200)
     records = [smol_fleet.migration_record(m.decode()) for m in listed]
-    assert any(r is not None and (r.reason, r.outcome) == ("balance", "MIGRATED") for r in records)
+    balanced = [r for r in records if r is not None and (r.reason, r.outcome) == ("balance", "MIGRATED")]
+    assert balanced and all((r.source, r.target) == (crowded, idle) for r in balanced), balanced
     # Every stream complete, once: its reference's tokens (up to a batch-shape tie, as in the
     # other SmolLM2 tests: a second reference run finds those).
     again = await asyncio.gather(*(greedy_ids(main, smol_fleet.model, p, MAX_TOKENS) for p in prompts))
-    for i, (_, ids) in enumerate(got):
+    for i, ids in enumerate(got):
         stable = _agree(references[i], again[i])
         assert len(ids) == MAX_TOKENS and ids[:stable] == references[i][:stable], (i, stable)
+
+
+@contextlib.contextmanager
+def _out_of_rotation(fleet: RunningFleet, engine_id: str, routers: list[str]) -> Iterator[None]:
+    """The engine's Redis record says DRAINING (the ``routers`` dispatch nothing to it; the
+    engine itself runs on) until the block ends."""
+    key = fleet.keys.engine(engine_id)
+    raw = fleet.redis.get(key)
+    assert raw is not None
+    record = engine_record_decoder.decode(raw)
+    leaving = msgspec.structs.replace(record, state=EngineState.DRAINING)
+    fleet.redis.set(key, json_encoder.encode(leaving), keepttl=True)
+    try:
+        for router in routers:
+            gone = functools.partial(lambda at: _state_at(at, engine_id) == "DRAINING", router)
+            wait_until(gone, 10.0, f"{router} to see {engine_id} go")
+        yield
+    finally:
+        fleet.redis.set(key, raw, keepttl=True)
+
+
+def _state_at(router: str, engine_id: str) -> str | None:
+    engines: dict[str, str] = httpx.get(router + "/health", timeout=5).json()["engines"]
+    return engines.get(engine_id)
