@@ -255,3 +255,20 @@ def test_the_curve_key_reaches_routers_and_engines_from_its_secret() -> None:
             "--zmq-curve-key-file"
             not in one(plain, kind, component)["spec"]["template"]["spec"]["containers"][0]["args"]
         )
+
+
+def test_the_routers_scheduler_and_balancing_come_from_the_spec() -> None:
+    obj = yaml.safe_load((ROOT / "operator" / "samples" / "minimal.yaml").read_text())
+    plain = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
+    args = one(plain, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--scheduler") + 1] == "least_load" and "--balance" not in args
+    obj["spec"]["router"] = {"scheduler": "prefix_affinity=2,least_load=1", "balance": True}
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
+    args = one(children.render(cluster), "Deployment", "router")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert args[args.index("--scheduler") + 1] == "prefix_affinity=2,least_load=1" and "--balance" in args
+    for bad in ("fastest", "round_robin,least_load", "least_load=-1"):
+        obj["spec"]["router"] = {"scheduler": bad}
+        with pytest.raises(ValueError, match="scheduler"):
+            InferenceClusterSpec.model_validate(obj["spec"])

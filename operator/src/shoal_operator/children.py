@@ -317,7 +317,10 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "--host", "$(POD_IP)",
         "--port", str(ROUTER_HTTP_PORT),
         "--zmq-port", str(ROUTER_ZMQ_PORT),
+        "--scheduler", router.scheduler,
     ]  # fmt: skip
+    if router.balance:
+        args.append("--balance")
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     for flag, secret in (

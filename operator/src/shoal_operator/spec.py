@@ -28,6 +28,9 @@ SHORT_NAMES = ["ic"]
 IMAGE_PATTERN = r"^[a-z0-9]+([._/:@-][a-zA-Z0-9_.-]+)*$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_SCORER = r"(least_load|prefix_affinity|session_affinity)(=[0-9]+(\.[0-9]+)?)?"
+SCHEDULER_PATTERN = rf"^(round_robin|{_SCORER}(,{_SCORER})*)$"
+"""A router scheduler profile, or scorer weights (see the router's ``core.scheduling``)."""
 
 
 def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -172,6 +175,19 @@ class RouterSpec(_Spec):
         default=None,
         alias="adminKeysSecret",
         description="Keys required on /metrics and the fleet page; unset: they are open.",
+    )
+    scheduler: str = Field(
+        default="least_load",
+        pattern=SCHEDULER_PATTERN,
+        max_length=200,
+        description="How each request is placed on an engine: least_load (free KV per batch slot), "
+        "round_robin, prefix_affinity, session_affinity (the x-session-id header), or scorer weights "
+        "such as prefix_affinity=2,least_load=1.",
+    )
+    balance: bool = Field(
+        default=False,
+        description="The routers elect a leader (a lease in Redis) that moves running requests from "
+        "crowded engines to free ones by live migration.",
     )
 
 
