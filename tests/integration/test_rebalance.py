@@ -113,10 +113,8 @@ async def test_two_routers_one_balancing_every_stream_exactly_once(
     listed = smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 200)
     records = [smol_fleet.migration_record(m.decode()) for m in listed]
     balanced = [r for r in records if r is not None and (r.reason, r.outcome) == ("balance", "MIGRATED")]
-    # The first move relieves the crowded engine (later ones may go back once its streams end).
-    assert balanced, records
-    first = min(balanced, key=lambda r: r.finished_at or 0.0)
-    assert (first.source, first.target) == (crowded, idle), first
+    # Moves relieve the crowded engine (later ones may go back once its own streams end).
+    assert any((r.source, r.target) == (crowded, idle) for r in balanced), balanced
     # Every stream complete, once: its reference's tokens (up to a batch-shape tie, as in the
     # other SmolLM2 tests: a second reference run finds those).
     again = await asyncio.gather(*(greedy_ids(main, smol_fleet.model, p, MAX_TOKENS) for p in prompts))
