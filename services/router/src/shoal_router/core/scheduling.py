@@ -98,19 +98,6 @@ def freeness(view: EngineView) -> float:
     return view.free
 
 
-def _scaled(values: list[float]) -> list[float]:
-    low, high = min(values), max(values)
-    if high <= low:
-        return [1.0] * len(values)
-    span = high - low
-    return [(v - low) / span for v in values]
-
-
-def least_load(ask: Ask, views: list[EngineView]) -> list[float]:
-    """Freeness scaled to [0, 1] over the candidates."""
-    return _scaled([v.free for v in views])
-
-
 def _hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
@@ -176,11 +163,6 @@ class Affinity:
         if key is None:
             return None
         return self.ring.owner(key, {v.engine_id: v.held for v in views})
-
-    def __call__(self, ask: Ask, views: list[EngineView]) -> list[float]:
-        """The scores of every engine (1 for the favourite, 0 for the rest)."""
-        owner = self.favourite(ask, views)
-        return [1.0 if v.engine_id == owner else 0.0 for v in views]
 
 
 def prefix_key(prefix_blocks: int) -> Callable[[Ask], int | None]:
