@@ -56,9 +56,9 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
         "engines": [urlparse(r.http_address).netloc for r in records if r is not None],
     }
     with prometheus_server(tmp_path, jobs) as prometheus:
-        # The load: a stream moved once mid-generation (a few tries, as in the migration tests:
-        # the machine may stall the client until the stream is done) ...
-        for _ in range(3):
+        # The load: a stream moved once mid-generation (up to six tries, as in the migration
+        # tests: the machine may stall the client until the stream is done) ...
+        for _ in range(6):
             mover = Mover(tiny_fleet, times=1, every=0, first=64)
             stream(tiny_fleet, [21, 22, 23, 24], 8000, mover)
             if mover.results:

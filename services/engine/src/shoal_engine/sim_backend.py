@@ -125,25 +125,44 @@ class SimConfig:
 
 
 @dataclass(eq=False)
-class _Request:
+class SimRequest:
+    """One request in a ``SimBatch``: its lengths, its token generator and the blocks it holds."""
+
     request_id: str
     prompt_len: int
     max_tokens: int
-    stop_token_ids: frozenset[int]
-    rng: random.Random
+    stop_token_ids: frozenset[int] = frozenset()
+    rng: random.Random | None = None
+    """Draws the token ids; None: every token is 0 (the fleet simulator needs only counts)."""
     generated: int = 0
     blocks: int = 0
-    pending: list[int] = field(default_factory=list)
     finish: FinishReason | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    preemptions: int = 0
 
     @property
     def context(self) -> int:
         return self.prompt_len + self.generated
 
+    @property
+    def left(self) -> int:
+        return self.max_tokens - self.generated
 
-class SimulatedBackend:
-    """An engine whose model is ``StepModel`` and whose batch and KV cache are bookkeeping."""
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one engine step computes: requests prefilled (admitted) and decoding, and how long
+    it takes in the modelled hardware's milliseconds."""
+
+    admitted: list[SimRequest]
+    decoding: list[SimRequest]
+    ms: float
+
+
+class SimBatch:
+    """The batch and KV cache of a simulated engine, as plain bookkeeping with no clock:
+    ``plan`` says what the next step computes and how long it lasts, ``finish`` applies it.
+    ``SimulatedBackend`` runs it on asyncio time; the fleet benchmark runs many on simulated
+    time."""
 
     def __init__(self, config: SimConfig) -> None:
         if config.model not in STEP_MODELS:
@@ -153,14 +172,167 @@ class SimulatedBackend:
             raise ValueError("the KV cache must hold at least one request of max_model_len tokens")
         self.config = config
         self.model = STEP_MODELS[config.model]
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._free = config.kv_blocks
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.free = config.kv_blocks
+        self.preemptions = 0
+        self.steps = 0
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.config.block_size)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def add(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+
+    def drop(self, request: SimRequest) -> None:
+        """An aborted (or moved) request leaves the line or the batch and gives its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.free += request.blocks
+        request.blocks = 0
+
+    def reserve(self, blocks: int) -> bool:
+        """Set ``blocks`` aside for a request moving here, if they are free and a batch slot is
+        open; ``admit_moved`` (or ``unreserve``) settles them."""
+        if blocks > self.free or len(self.running) >= self.config.max_num_seqs:
+            return False
+        self.free -= blocks
+        return True
+
+    def unreserve(self, blocks: int) -> None:
+        self.free += blocks
+
+    def admit_moved(self, request: SimRequest, reserved: int) -> None:
+        """A request whose KV arrived from another engine joins the batch with no prefill; it
+        takes the blocks reserved for it, and more if it grew meanwhile (when free)."""
+        need = self.blocks(request.context + 1)
+        self.free += reserved
+        if need > self.free:
+            # It grew past what was reserved and the cache filled meanwhile: recompute later.
+            request.blocks = 0
+            self.waiting.appendleft(request)
+            return
+        self.free -= need
+        request.blocks = need
+        self.running.append(request)
+
+    def load(self, into: BackendLoad) -> BackendLoad:
+        into.num_running = len(self.running)
+        into.num_waiting = len(self.waiting)
+        into.kv_blocks_used = self.config.kv_blocks - self.free
+        into.kv_blocks_total = self.config.kv_blocks
+        return into
+
+    def _admit(self) -> list[SimRequest]:
+        budget = self.config.max_batched_tokens
+        admitted: list[SimRequest] = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            need = self.blocks(request.context + 1)
+            if need > self.free or (admitted and request.context > budget):
+                break
+            self.waiting.popleft()
+            request.blocks = need
+            self.free -= need
+            self.running.append(request)
+            admitted.append(request)
+            budget -= request.context
+            if budget <= 0:
+                break
+        return admitted
+
+    def _grow(self, decoding: list[SimRequest]) -> list[SimRequest]:
+        """Give each decoding request the block its next token needs; preempt the newest
+        running requests when none is free. Returns those still decoding."""
+        for request in decoding:
+            if request not in self.running:
+                continue  # preempted earlier in this pass
+            while self.blocks(request.context + 1) > request.blocks:
+                if self.free:
+                    self.free -= 1
+                    request.blocks += 1
+                    continue
+                victim = self.running.pop()
+                self.free += victim.blocks
+                victim.blocks = 0
+                victim.preemptions += 1
+                self.waiting.appendleft(victim)
+                self.preemptions += 1
+                PREEMPTIONS.inc()
+                if victim is request:
+                    break
+        return [r for r in decoding if r in self.running]
+
+    def plan(self) -> Step | None:
+        """Admit and grow for the next step; None when there is nothing to run."""
+        if self.idle:
+            return None
+        decoding = list(self.running)
+        admitted = self._admit()
+        decoding = self._grow(decoding)
+        admitted = [r for r in admitted if r in self.running]
+        if not admitted and not decoding:  # cannot happen (a lone request always fits)
+            raise RuntimeError("the simulated engine has requests but can run none")
+        context = sum(r.context for r in decoding)
+        ms = self.model.step_ms(len(decoding), [r.context for r in admitted], context)
+        return Step(admitted, decoding, ms)
+
+    def finish(self, step: Step) -> list[tuple[SimRequest, int]]:
+        """End ``step``: each of its requests still running gets a token; finished requests
+        leave the batch. Returns the (request, token id) pairs."""
+        emitted = []
+        for request in (*step.admitted, *step.decoding):
+            if request not in self.running:  # aborted or moved during the step
+                continue
+            token = request.rng.randrange(self.config.vocab_size) if request.rng is not None else 0
+            request.generated += 1
+            if token in request.stop_token_ids:
+                request.finish = FinishReason.STOP
+            elif request.generated >= request.max_tokens:
+                request.finish = FinishReason.LENGTH
+            if request.finish is not None:
+                self.running.remove(request)
+                self.free += request.blocks
+                request.blocks = 0
+            emitted.append((request, token))
+        self.steps += 1
+        return emitted
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Tokens of one request not yet handed to its ``generate`` iterator."""
+
+    request: SimRequest
+    pending: list[int] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class SimulatedBackend:
+    """An engine whose model is ``StepModel`` and whose batch and KV cache are a ``SimBatch``."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.batch = SimBatch(config)
+        self.config = config
+        self.model = self.batch.model
+        self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._load = BackendLoad(kv_blocks_total=config.kv_blocks)
-        self.preemptions = 0
-        self.steps = 0
+
+    @property
+    def preemptions(self) -> int:
+        return self.batch.preemptions
+
+    @property
+    def steps(self) -> int:
+        return self.batch.steps
 
     async def start(self) -> BackendInfo:
         self._task = asyncio.create_task(self._run(), name="simulated-engine")
@@ -190,34 +362,33 @@ class SimulatedBackend:
             )
         digest = hashlib.blake2b(array("q", prompt_token_ids).tobytes(), digest_size=8).digest()
         seed = int.from_bytes(digest, "little") ^ self.config.seed ^ (sampling.seed or 0)
-        request = _Request(
+        request = SimRequest(
             request_id,
             len(prompt_token_ids),
             sampling.max_tokens,
             frozenset(sampling.stop_token_ids),
             random.Random(seed),
         )
-        self._waiting.append(request)
+        stream = _Stream(request)
+        self._streams[request_id] = stream
+        self.batch.add(request)
         self._wake.set()
         try:
             while True:
-                await request.ready.wait()
-                request.ready.clear()
-                tokens, request.pending = request.pending, []
+                await stream.ready.wait()
+                stream.ready.clear()
+                tokens, stream.pending = stream.pending, []
                 text = "".join(f" {token}" for token in tokens)
                 yield BackendOutput(tokens, text, request.finish)
                 if request.finish is not None:
                     return
         finally:
+            self._streams.pop(request_id, None)
             if request.finish is None:
-                self._drop(request)
+                self.batch.drop(request)
 
     def load(self) -> BackendLoad:
-        load = self._load
-        load.num_running = len(self._running)
-        load.num_waiting = len(self._waiting)
-        load.kv_blocks_used = self.config.kv_blocks - self._free
-        return load
+        return self.batch.load(self._load)
 
     async def check_health(self) -> None:
         if self._task is not None and self._task.done():
@@ -227,97 +398,23 @@ class SimulatedBackend:
         if self._task is not None:
             self._task.cancel()
 
-    # ---- the step loop ---------------------------------------------------------------------
-
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.config.block_size)
-
-    def _drop(self, request: _Request) -> None:
-        """An aborted request leaves the line or the batch and gives its blocks back."""
-        if request in self._running:
-            self._running.remove(request)
-        elif request in self._waiting:
-            self._waiting.remove(request)
-        self._free += request.blocks
-        request.blocks = 0
-
-    def _admit(self) -> list[_Request]:
-        budget = self.config.max_batched_tokens
-        admitted: list[_Request] = []
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
-            request = self._waiting[0]
-            need = self._blocks(request.context + 1)
-            if need > self._free or (admitted and request.context > budget):
-                break
-            self._waiting.popleft()
-            request.blocks = need
-            self._free -= need
-            self._running.append(request)
-            admitted.append(request)
-            budget -= request.context
-            if budget <= 0:
-                break
-        return admitted
-
-    def _grow(self, decoding: list[_Request]) -> list[_Request]:
-        """Give each decoding request the block its next token needs; preempt the newest
-        running requests when none is free. Returns those still decoding."""
-        for request in decoding:
-            if request not in self._running:
-                continue  # preempted earlier in this pass
-            while self._blocks(request.context + 1) > request.blocks:
-                if self._free:
-                    self._free -= 1
-                    request.blocks += 1
-                    continue
-                victim = self._running[-1]
-                self._running.pop()
-                self._free += victim.blocks
-                victim.blocks = 0
-                self._waiting.appendleft(victim)
-                self.preemptions += 1
-                PREEMPTIONS.inc()
-                if victim is request:
-                    break
-        return [r for r in decoding if r in self._running]
-
-    def _emit(self, request: _Request) -> None:
-        token = request.rng.randrange(self.config.vocab_size)
-        request.generated += 1
-        request.pending.append(token)
-        if token in request.stop_token_ids:
-            request.finish = FinishReason.STOP
-        elif request.generated >= request.max_tokens:
-            request.finish = FinishReason.LENGTH
-        if request.finish is not None:
-            self._running.remove(request)
-            self._free += request.blocks
-            request.blocks = 0
-        request.ready.set()
-
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         step_ema_ms = 0.0
         while True:
-            if not self._running and not self._waiting:
+            step = self.batch.plan()
+            if step is None:
                 self._load.step_time_ms = step_ema_ms = 0.0
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             started = loop.time()
-            decoding = list(self._running)
-            admitted = self._admit()
-            decoding = self._grow(decoding)
-            admitted = [r for r in admitted if r in self._running]
-            if not admitted and not decoding:  # cannot happen (a lone request always fits)
-                raise RuntimeError("the simulated engine has requests but can run none")
-            context = sum(r.context for r in decoding)
-            step_ms = self.model.step_ms(len(decoding), [r.context for r in admitted], context)
-            await asyncio.sleep(max(0.0, started + step_ms / 1000.0 / self.config.speed - loop.time()))
-            for request in admitted + decoding:
-                if request in self._running:  # not aborted during the step
-                    self._emit(request)
-            self.steps += 1
+            await asyncio.sleep(max(0.0, started + step.ms / 1000.0 / self.config.speed - loop.time()))
+            for request, token in self.batch.finish(step):
+                stream = self._streams.get(request.request_id)
+                if stream is not None:
+                    stream.pending.append(token)
+                    stream.ready.set()
             elapsed_ms = (loop.time() - started) * 1000.0
             step_ema_ms = elapsed_ms if not step_ema_ms else 0.8 * step_ema_ms + 0.2 * elapsed_ms
             self._load.step_time_ms = step_ema_ms

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from types import FrameType
 
 import uvicorn
 import uvloop
@@ -35,6 +37,14 @@ from shoal_router.ipc.tokenizing import TokenizerClient
 from shoal_router.metrics import RouterMetrics
 
 logger = logging.getLogger("shoal.router")
+
+STOP_WAIT_S = 5.0
+"""How long each shutdown step (background tasks, then each client) may take before the router
+logs what is stuck and goes on without it."""
+
+EXIT_DEADLINE_S = 20.0
+"""After a stop signal the process exits within this long, whatever hangs: past it Python's
+fault handler writes every thread's stack to the log and ends the process (status 1)."""
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -199,16 +209,14 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await engines.aclose()
+            await _stop_tasks(tasks)
+            await _bounded("the engine sockets", engines.aclose())
             # destroy, not term: term would wait forever on any socket still open.
             if authenticator is not None:
                 authenticator.stop()
             ctx.destroy(linger=0)
-            await tokenizer.close()
-            await redis_client.aclose()
+            await _bounded("the tokenizer channel", tokenizer.close())
+            await _bounded("the Redis client", redis_client.aclose())
 
     return create_app(
         generation,
@@ -221,8 +229,41 @@ def build_app(config: RouterConfig) -> FastAPI:
     )
 
 
+async def _stop_tasks(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` and wait up to ``STOP_WAIT_S`` for them; log the stack of any still
+    running."""
+    for task in tasks:
+        task.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("task %s had failed: %r", task.get_name(), task.exception())
+    for task in pending:
+        stack = "".join(f"\n  {frame.f_code.co_filename}:{frame.f_lineno}" for frame in task.get_stack())
+        logger.warning("task %s did not stop within %.0f s; at:%s", task.get_name(), STOP_WAIT_S, stack)
+
+
+async def _bounded(what: str, closing: Awaitable[None]) -> None:
+    try:
+        async with asyncio.timeout(STOP_WAIT_S):
+            await closing
+    except TimeoutError:
+        logger.warning("closing %s took over %.0f s; going on without it", what, STOP_WAIT_S)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with a deadline on the whole shutdown (``EXIT_DEADLINE_S``), so that a
+    stop signal always ends the process, and with every thread's stack in the log when
+    something held it up."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
+        super().handle_exit(sig, frame)
+
+
 async def serve(config: RouterConfig) -> None:
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             build_app(config),
             host=config.host,
