@@ -107,6 +107,17 @@ STEP_MODELS = {
             "read per step at 2.0 TB/s (8 ms), 128 KiB of KV per context token read per decode, "
             "16 GFLOP per prefilled token at half of 312 TFLOPS",
         ),
+        StepModel(
+            name="llama2-7b-a10",
+            base_ms=22.5,
+            decode_ms=0.1,
+            prefill_ms=0.22,
+            context_us=0.87,
+            pair_us=0.0084,
+            source="a roofline estimate for LLaMA-2-7B in fp16 on one A10-24GB (Llumnix's setting): "
+            "13.5 GB of weights read per step at 600 GB/s (22.5 ms), 512 KiB of KV per context "
+            "token read per decode, 14 GFLOP per prefilled token at half of 125 TFLOPS",
+        ),
     )
 }
 
