@@ -115,6 +115,10 @@ bench-operator: setup ## Operator reconcile cost against kmock (API calls, write
 bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 256 engines; writes docs/benchmarks.md
 	$(PY) bench/dispatch.py $(BENCH_ARGS)
 
+.PHONY: bench-fleet
+bench-fleet: setup ## Round-robin vs least-load vs migration on 16 to 256 simulated engines; writes docs/benchmarks.md
+	$(PY) bench/fleet.py $(BENCH_ARGS)
+
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)

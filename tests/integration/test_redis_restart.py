@@ -75,6 +75,7 @@ async def test_streams_and_dispatch_survive_a_redis_restart(tiny_fleet: RunningF
         watcher.start()
         try:
             await asyncio.to_thread(restart_redis)
+
             # The engines write their records again at their next heartbeat. (This test's own
             # client may still hold a connection from before the restart: it reads again.)
             def registered() -> bool:

@@ -78,3 +78,17 @@ def test_only_engines_that_can_migrate_and_of_the_same_model_are_paired() -> Non
     draining = view("b", running=0, used=0)
     draining.record = msgspec.structs.replace(draining.record, state=EngineState.DRAINING)
     assert moves(balancer, [view("a", running=5, used=500), draining]) == []
+
+
+def test_several_crowded_engines_are_paired_with_the_freest_in_order() -> None:
+    balancer = Balancer(BalancePolicy(threshold=0.1, patience=1, max_concurrent=4))
+    fleet = [
+        view("a", running=6, used=700),  # least free
+        view("b", running=5, used=500),
+        view("c", running=1, used=100),
+        view("d", running=0, used=0),  # most free
+        view("e", running=1, used=900),  # a lone request: never a source
+    ]
+    assert moves(balancer, fleet) == [("a", "d"), ("b", "c")]
+    bounded = Balancer(BalancePolicy(threshold=0.1, patience=1, max_concurrent=1))
+    assert moves(bounded, fleet) == [("a", "d")]

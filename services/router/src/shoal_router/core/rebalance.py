@@ -9,11 +9,12 @@ slot), so no engine preempts while another idles.
   (``Keys.leader``, set if absent with a TTL, renewed by its holder); only the holder issues
   migrations, so two routers never move the same load twice. A leader that dies stops renewing
   and another router takes over when the lease expires.
-* **Policy.** Every ``interval_s`` the leader compares the ACTIVE engines of each model, their
-  freeness as a fraction of their KV cache. When the most free engine leads the least free one
-  by more than ``threshold`` on ``patience`` checks in a row, and the crowded engine runs at
-  least two requests (moving a lone request only moves the load), the leader asks the crowded
-  engine to move one request there (``Migrate`` with no request id: the engine picks the one
+* **Policy.** Every ``interval_s`` the leader ranks the ACTIVE engines of each model by their
+  freeness as a fraction of their KV cache, and pairs the least free with the most free, the
+  second least with the second most, and so on. When a pair's lead passes ``threshold`` on
+  ``patience`` checks in a row, and its crowded engine runs at least two requests (moving a
+  lone request only moves the load), the leader asks the crowded engine to move one request
+  there (``Migrate`` with no request id: the engine picks the one
   with the least KV to copy) with reason ``balance``.
 * **Hysteresis.** Both engines of a balancing move are left alone for ``cooldown_s`` after it
   ends (their reports must catch up first; no ping-pong), and at most ``max_concurrent`` moves
@@ -110,29 +111,33 @@ class Balancer:
     in_flight: int = 0
 
     def decide(self, views: Iterable[EngineView], now: float) -> list[tuple[EngineView, EngineView]]:
-        """The (source, target) moves to start now, at most one per model."""
+        """The (source, target) moves to start now. Within each model the least free engine is
+        paired with the most free, the second least with the second most, and so on while the
+        lead passes the threshold, as far as ``max_concurrent`` allows."""
         by_model: dict[str, list[EngineView]] = {}
         for view in views:
             if view.usable and view.report is not None and view.record.control_address:
                 by_model.setdefault(view.record.model, []).append(view)
-        moves = []
+        moves: list[tuple[EngineView, EngineView]] = []
         streaks: dict[tuple[str, str], int] = {}
         for engines in by_model.values():
             awake = [v for v in engines if self._resting_until.get(v.engine_id, 0.0) <= now]
-            if len(awake) < 2:
-                continue
-            source = min(awake, key=relative_freeness)
-            target = max(awake, key=relative_freeness)
-            assert source.report is not None
-            crowded = source.report.num_running >= 2
-            if not crowded or relative_freeness(target) - relative_freeness(source) <= self.policy.threshold:
-                continue
-            pair = (source.engine_id, target.engine_id)
-            streaks[pair] = self._streak.get(pair, 0) + 1
-            room = self.in_flight + len(moves) < self.policy.max_concurrent
-            if streaks[pair] >= self.policy.patience and room:
-                moves.append((source, target))
-                streaks.pop(pair)
+            ranked = sorted(awake, key=relative_freeness)
+            low, high = 0, len(ranked) - 1
+            while low < high and self.in_flight + len(moves) < self.policy.max_concurrent:
+                source, target = ranked[low], ranked[high]
+                if relative_freeness(target) - relative_freeness(source) <= self.policy.threshold:
+                    break
+                assert source.report is not None
+                low += 1
+                if source.report.num_running < 2:
+                    continue  # moving a lone request only moves the load
+                high -= 1
+                pair = (source.engine_id, target.engine_id)
+                streaks[pair] = self._streak.get(pair, 0) + 1
+                if streaks[pair] >= self.policy.patience:
+                    moves.append((source, target))
+                    streaks.pop(pair)
         self._streak = streaks
         return moves
 

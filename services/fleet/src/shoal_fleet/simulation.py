@@ -1,0 +1,347 @@
+"""A fleet of simulated engines on simulated time, driven by the router's own scheduling code.
+
+Llumnix's result (dispatch by load plus live migration against round-robin) shows at fleet
+sizes one machine cannot run for real, so this runs the experiment as a discrete-event
+simulation in which every part that decides is Shoal's own code:
+
+* each engine is a ``SimBatch``: the simulated engine's batch, KV blocks, recompute preemption
+  and step-time model (``shoal_engine.sim_backend``), the same bookkeeping a ``--backend sim``
+  engine process runs;
+* dispatch is the router's ``Scheduler`` over its ``EngineView`` objects, fed load reports every
+  ``report_interval_s`` (the engines' report period) and told of each request sent in between,
+  as the router's fleet poll and dispatch do;
+* balancing is the router's ``Balancer`` policy, checked every ``balance_interval_s``; the source
+  engine picks the request to move as ``EngineService.cheapest_to_move`` does, and the move is
+  timed as the migration protocol runs it: a prepare call (the target reserves the blocks or
+  refuses), pre-copy stages of the full blocks while the request keeps decoding on the source,
+  then a stop for the blocks filled since and the partial one, and a commit, after which the
+  request decodes on the target. Copies take ``blocks x block_bytes / kv_bandwidth``.
+
+What it leaves out: the network between router and engines (dispatch is instantaneous), the
+router's CPU, and tokenization. Every random draw comes from ``seed``: a run is the same for the
+same arguments.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shoal_engine.sim_backend import SimBatch, SimConfig, SimRequest, Step
+from shoal_protos.records import EngineRecord, LoadReport
+from shoal_router.core.dispatch import EngineView
+from shoal_router.core.rebalance import BalancePolicy, Balancer
+from shoal_router.core.scheduling import Ask, Scheduler
+
+MIN_TOKENS_LEFT = 16  # as shoal_engine.migration.MIN_TOKENS_LEFT
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Poisson arrivals with lognormal (heavy-tailed) prompt and output lengths.
+
+    The defaults follow ShareGPT's shape: most prompts short, a long tail of long ones; outputs
+    of a few hundred tokens, a tail past a thousand."""
+
+    rate: float
+    """Requests per second, all engines together."""
+    requests: int
+    prompt_median: float = 128
+    prompt_sigma: float = 1.1
+    output_median: float = 256
+    output_sigma: float = 0.8
+    max_model_len: int = 4096
+    seed: int = 0
+
+    def draw(self) -> list[tuple[float, int, int]]:
+        """(arrival time, prompt tokens, output tokens) of each request, by arrival."""
+        rng = random.Random(self.seed)
+        now, out = 0.0, []
+        for _ in range(self.requests):
+            now += rng.expovariate(self.rate)
+            prompt = min(
+                max(4, round(rng.lognormvariate(math.log(self.prompt_median), self.prompt_sigma))), 3072
+            )
+            output = max(4, round(rng.lognormvariate(math.log(self.output_median), self.output_sigma)))
+            out.append((now, prompt, min(output, self.max_model_len - prompt)))
+        return out
+
+
+@dataclass(frozen=True)
+class Fleet:
+    engines: int = 16
+    sim: SimConfig = field(default_factory=SimConfig)
+    scheduler: str = "least_load"
+    migrate: bool = False
+    balance: BalancePolicy = field(default_factory=BalancePolicy)
+    balance_interval_s: float = 1.0
+    report_interval_s: float = 0.1
+    kv_bandwidth_gbps: float = 8.0
+    """Gigabytes per second between two engines' KV caches."""
+    block_bytes: int = 16 * 512 * 1024
+    """Bytes of one KV block (LLaMA-2-7B in fp16: 512 KiB per token, 16 tokens)."""
+    rpc_ms: float = 2.0
+    """One control call (prepare, commit) between engines."""
+    max_stages: int = 3
+    last_stage_blocks: int = 2
+    """Pre-copy stages go on while more blocks than this filled during the last one."""
+
+
+@dataclass(eq=False)
+class _Tracked:
+    arrival: float
+    request: SimRequest
+    engine: int
+    first: float = -1.0
+    last: float = -1.0
+    preempted_at: float = -1.0
+    preemption_loss: float = 0.0
+    moves: int = 0
+    moving: bool = False
+
+
+@dataclass
+class Result:
+    ttft: list[float]
+    decode: list[float]
+    """Mean time per output token after the first, per request."""
+    preemptions: int
+    preemption_loss_s: float
+    """Time preempted requests spent between being preempted and their next token, summed."""
+    tokens: int
+    makespan_s: float
+    offered_tokens_per_s: float
+    """Output tokens asked for per second: all requests' outputs over the arrival window."""
+    steady_tokens_per_s: float
+    """Tokens per second delivered over the second half of the arrival window: equal to the
+    offered rate while the fleet keeps up, less once requests queue without bound."""
+    migrations: int
+    migration_refused: int
+    stall_ms: list[float]
+
+    @staticmethod
+    def percentile(values: list[float], q: float) -> float:
+        if not values:
+            return float("nan")
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+    def summary(self) -> dict[str, float]:
+        p = self.percentile
+        return {
+            "ttft_p50_s": p(self.ttft, 50),
+            "ttft_p99_s": p(self.ttft, 99),
+            "decode_p50_ms": p(self.decode, 50) * 1000,
+            "decode_p99_ms": p(self.decode, 99) * 1000,
+            "preemptions": self.preemptions,
+            "preemption_loss_s": self.preemption_loss_s,
+            "tokens_per_s": self.tokens / self.makespan_s if self.makespan_s else 0.0,
+            "offered_tokens_per_s": self.offered_tokens_per_s,
+            "steady_tokens_per_s": self.steady_tokens_per_s,
+            "migrations": self.migrations,
+            "stall_p99_ms": p(self.stall_ms, 99),
+        }
+
+
+class Simulation:
+    """One run: ``Simulation(fleet, workload).run()``."""
+
+    def __init__(self, fleet: Fleet, workload: Workload, progress: Callable[[int], None] | None = None):
+        self.fleet = fleet
+        self.workload = workload
+        self.progress = progress
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.batches = [SimBatch(fleet.sim) for _ in range(fleet.engines)]
+        self._steps: list[Step | None] = [None] * fleet.engines
+        self.views = [EngineView(self._record(i)) for i in range(fleet.engines)]
+        self._by_id = {view.engine_id: i for i, view in enumerate(self.views)}
+        self.scheduler = Scheduler(fleet.scheduler, rng=random.Random(workload.seed))
+        self.balancer = Balancer(fleet.balance)
+        self._report_seq = 0
+        self._tracked: dict[str, _Tracked] = {}
+        self._left = workload.requests
+        self._done = 0
+        self.migrations = self.refused = 0
+        self.stalls: list[float] = []
+
+    def _record(self, index: int) -> EngineRecord:
+        return EngineRecord(
+            engine_id=f"engine-{index:03d}", model="m", zmq_address="", http_address="",
+            max_model_len=self.fleet.sim.max_model_len, protocol_version=1, started_at=0.0,
+            kv_blocks_total=self.fleet.sim.kv_blocks, control_address="sim",
+        )  # fmt: skip
+
+    # ---- the event queue ------------------------------------------------------------------
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), action))
+
+    def run(self) -> Result:
+        draw = self.workload.draw()
+        for arrival, prompt, output in draw:
+            self.at(arrival, lambda p=prompt, o=output: self._arrive(p, o))
+        window = draw[-1][0]
+        emitted: list[int] = []
+        for when in (window / 2, window):
+            self.at(when, lambda: emitted.append(sum(t.request.generated for t in self._tracked.values())))
+        self.at(0.0, self._report)
+        if self.fleet.migrate:
+            self.at(self.fleet.balance_interval_s, self._balance)
+        while self._events and self._left:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        tracked = list(self._tracked.values())
+        first_arrival = min(t.arrival for t in tracked)
+        return Result(
+            ttft=[t.first - t.arrival for t in tracked],
+            decode=[
+                (t.last - t.first) / (t.request.generated - 1) for t in tracked if t.request.generated > 1
+            ],
+            preemptions=sum(b.preemptions for b in self.batches),
+            preemption_loss_s=sum(t.preemption_loss for t in tracked),
+            tokens=sum(t.request.generated for t in tracked),
+            makespan_s=max(t.last for t in tracked) - first_arrival,
+            offered_tokens_per_s=sum(output for _, _, output in draw) / window,
+            steady_tokens_per_s=(emitted[1] - emitted[0]) / (window / 2),
+            migrations=self.migrations,
+            migration_refused=self.refused,
+            stall_ms=self.stalls,
+        )
+
+    # ---- requests and engines ---------------------------------------------------------------
+
+    def _arrive(self, prompt: int, output: int) -> None:
+        request_id = f"r{len(self._tracked)}"
+        # Prompt ids only feed affinity scorers' hashes; distinct per request.
+        ask = Ask("m", range(len(self._tracked) * 8192, len(self._tracked) * 8192 + prompt))
+        view = self.scheduler.pick(ask, self.views)
+        assert view is not None
+        engine = self._by_id[view.engine_id]
+        view.sent(ask.prompt_blocks)
+        request = SimRequest(request_id, prompt, output)
+        self._tracked[request_id] = _Tracked(self.now, request, engine)
+        self.batches[engine].add(request)
+        self._wake(engine)
+
+    def _wake(self, engine: int) -> None:
+        if self._steps[engine] is None:
+            self._start_step(engine)
+
+    def _start_step(self, engine: int) -> None:
+        batch = self.batches[engine]
+        before = batch.preemptions
+        step = batch.plan()
+        self._steps[engine] = step
+        if step is None:
+            return
+        if batch.preemptions != before:
+            for request in batch.waiting:
+                tracked = self._tracked[request.request_id]
+                if request.blocks == 0 and tracked.first >= 0 and tracked.preempted_at < 0:
+                    tracked.preempted_at = self.now
+        self.at(self.now + step.ms / 1000.0, lambda: self._end_step(engine))
+
+    def _end_step(self, engine: int) -> None:
+        step = self._steps[engine]
+        assert step is not None
+        for request, _ in self.batches[engine].finish(step):
+            tracked = self._tracked[request.request_id]
+            if tracked.first < 0:
+                tracked.first = self.now
+            if tracked.preempted_at >= 0:
+                tracked.preemption_loss += self.now - tracked.preempted_at
+                tracked.preempted_at = -1.0
+            tracked.last = self.now
+            if request.finish is not None:
+                view = self.views[tracked.engine]
+                view.inflight = max(0, view.inflight - 1)
+                self._left -= 1
+                self._done += 1
+                if self.progress is not None:
+                    self.progress(self._done)
+        self._start_step(engine)
+
+    def _report(self) -> None:
+        self._report_seq += 1
+        for batch, view in zip(self.batches, self.views, strict=True):
+            used = batch.config.kv_blocks - batch.free
+            view.update_report(
+                LoadReport(
+                    engine_id=view.engine_id,
+                    seq=self._report_seq,
+                    time=self.now,
+                    num_running=len(batch.running),
+                    num_waiting=len(batch.waiting),
+                    kv_blocks_used=used,
+                    kv_blocks_free=batch.free,
+                )
+            )
+        self.at(self.now + self.fleet.report_interval_s, self._report)
+
+    # ---- balancing migrations -----------------------------------------------------------------
+
+    def _balance(self) -> None:
+        for source, target in self.balancer.decide(self.views, self.now):
+            self.balancer.started(source, target)
+            self._move(self._by_id[source.engine_id], self._by_id[target.engine_id], source, target)
+        self.at(self.now + self.fleet.balance_interval_s, self._balance)
+
+    def _copy_s(self, blocks: int) -> float:
+        return blocks * self.fleet.block_bytes / (self.fleet.kv_bandwidth_gbps * 1e9)
+
+    def _move(self, src: int, dst: int, source: EngineView, target: EngineView) -> None:
+        fleet, batch = self.fleet, self.batches[src]
+        candidates = [
+            r for r in batch.running
+            if r.generated >= 1 and r.left >= MIN_TOKENS_LEFT and not self._tracked[r.request_id].moving
+        ]  # fmt: skip
+        if not candidates:
+            self.balancer.ended(source, target, self.now)
+            return
+        request = min(candidates, key=lambda r: r.context)
+        tracked = self._tracked[request.request_id]
+        reserved = self.batches[dst].blocks(request.context + 1)
+        if not self.batches[dst].reserve(reserved):
+            self.refused += 1
+            self.balancer.ended(source, target, self.now)
+            return
+        tracked.moving = True
+
+        def abandon() -> None:
+            tracked.moving = False
+            self.batches[dst].unreserve(reserved)
+            self.balancer.ended(source, target, self.now)
+
+        def stage(number: int, copied: int) -> None:
+            if request not in batch.running:  # finished or preempted during the copy
+                abandon()
+                return
+            full = request.context // fleet.sim.block_size
+            fresh = full - copied
+            if number < fleet.max_stages and fresh > fleet.last_stage_blocks:
+                self.at(self.now + self._copy_s(fresh), lambda: stage(number + 1, full))
+                return
+            # Stop: the request leaves the source's batch; the rest and the partial block go.
+            batch.drop(request)
+            stall = self._copy_s(fresh + 1) + fleet.rpc_ms / 1000.0
+            self._wake(src)
+            self.at(self.now + stall, lambda: commit(stall))
+
+        def commit(stall: float) -> None:
+            self.batches[dst].admit_moved(request, reserved)
+            tracked.engine, tracked.moving = dst, False
+            tracked.moves += 1
+            self.views[src].inflight = max(0, self.views[src].inflight - 1)
+            self.views[dst].inflight += 1
+            self.migrations += 1
+            self.stalls.append(stall * 1000.0)
+            self.balancer.ended(source, target, self.now)
+            self._wake(dst)
+
+        self.at(self.now + fleet.rpc_ms / 1000.0, lambda: stage(1, 0))
