@@ -119,6 +119,10 @@ bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 25
 bench-fleet: setup ## Round-robin vs least-load vs migration on 16 to 256 simulated engines; writes docs/benchmarks.md
 	$(PY) bench/fleet.py $(BENCH_ARGS)
 
+.PHONY: bench-relay
+bench-relay: setup ## Tokens/s and router CPU per token through one and two routers (simulated engines); writes docs/benchmarks.md
+	$(PY) bench/relay.py $(BENCH_ARGS)
+
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)

@@ -20,7 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.fleet_page import PAGE, fleet_state
@@ -30,6 +32,7 @@ from shoal_router.core.outputs import RequestDelta
 from shoal_router.core.ratelimit import ApiKey, RateLimiter
 from shoal_router.errors import RouterError, ServiceUnavailableError, TooManyRequestsError
 from shoal_router.ipc.tokenizing import TokenizerClient
+from shoal_router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +152,54 @@ def _openapi_document(app: FastAPI, keys_on: bool) -> dict[str, Any]:
     return document
 
 
-_Next = Callable[[Request], Awaitable[Response]]
+_UNKNOWN_KEY = {
+    "error": {
+        "message": "missing or unknown API key (send Authorization: Bearer <key>)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+}
+
+
+class _Gate:
+    """ASGI middleware in front of every route: checks the API key (``/v1/*``) or admin key (the
+    admin paths) when keys are configured, and counts responses by route and status.
+
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's ``BaseHTTPMiddleware`` passes
+    every chunk of a streamed response through a memory stream and another task, which cost
+    the router most of its CPU per token (``docs/benchmarks.md``, relay)."""
+
+    def __init__(
+        self, app: ASGIApp, api_keys: KeyFile | None, admin_keys: KeyFile | None, metrics: RouterMetrics
+    ) -> None:
+        self.app = app
+        self.api_keys = api_keys
+        self.admin_keys = admin_keys
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        keys = self.api_keys if path.startswith("/v1/") else self.admin_keys if path in _ADMIN_PATHS else None
+        if keys is not None:
+            caller = keys.identify(Headers(scope=scope).get("authorization"))
+            if caller is None:
+                self.metrics.requests.labels("other", "401").inc()
+                refusal = JSONResponse(_UNKNOWN_KEY, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await refusal(scope, receive, send)
+                return
+            scope.setdefault("state", {})["api_key"] = caller
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                endpoint = getattr(scope.get("route"), "path", "other")
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 def create_app(
@@ -165,28 +215,6 @@ def create_app(
     app.openapi = functools.partial(_openapi_document, app, api_keys is not None)  # type: ignore[method-assign]
     metrics = generation.metrics
 
-    @app.middleware("http")
-    async def _authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        keys = api_keys if path.startswith("/v1/") else admin_keys if path in _ADMIN_PATHS else None
-        if keys is None:
-            return await call_next(request)
-        caller = keys.identify(request.headers.get("authorization"))
-        if caller is None:
-            body = {
-                "error": {
-                    "message": "missing or unknown API key (send Authorization: Bearer <key>)",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": "invalid_api_key",
-                }
-            }
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        request.state.api_key = caller
-        return await call_next(request)
-
     @app.exception_handler(RouterError)
     async def _router_error(_: Request, exc: RouterError) -> JSONResponse:
         return error_response(exc, retry_after_s)
@@ -201,13 +229,7 @@ def create_app(
         body = {"error": {"message": str(exc.detail), "type": error_type, "param": None, "code": None}}
         return JSONResponse(body, status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        endpoint = getattr(route, "path", "other")
-        metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Gate, api_keys=api_keys, admin_keys=admin_keys, metrics=metrics)
 
     @app.get("/health")
     async def health() -> JSONResponse:

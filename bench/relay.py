@@ -1,0 +1,326 @@
+"""Relay benchmark: the tokens per second routers relay, their CPU time per token, and the
+inter-token gaps clients see; one router against two on the same engines.
+
+Method
+------
+Everything runs on this machine: a Redis, ``--engines`` simulated engines (``shoal-engine
+--backend sim``: the real engine service, its ZeroMQ frames and load reports, with the A100
+step-time model run ``--sim-speed`` times faster, so they emit tokens as fast as this machine
+lets them) and one or two routers (``shoal-router``, real processes). Prompts are token ids, so
+no tokenizer is involved.
+
+For each number of streams and each router count, this process opens that many streaming
+``/v1/completions`` requests at once (aiohttp, one connection per stream, spread evenly over the
+routers), each asking for ``--tokens`` tokens, and timestamps every SSE event. It reports:
+
+* tokens/s: tokens received over the time from the first to the last token of the round;
+* router CPU per token: the routers' CPU time (user + system, from ``/proc`` through psutil)
+  over the round divided by the tokens they relayed;
+* inter-token gap p50/p99 at the client, beside the engines' step time from their load reports
+  (the median of readings every 0.5 s in the first half of the round): a token cannot come
+  faster than its engine's step.
+
+On two cores the routers, the engines and this client share the CPU, so tokens/s here is a
+floor set by the whole machine; CPU per token is the router's own cost. Results go between
+``<!-- relay:begin -->`` and ``<!-- relay:end -->`` of ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+import redis
+from report import publish
+
+from shoal_protos.records import Keys, load_report_decoder
+
+BEGIN, END = "<!-- relay:begin -->", "<!-- relay:end -->"
+CLUSTER, MODEL = "relay-bench", "sim-relay"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Processes:
+    folder: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        with (self.folder / f"{name}.log").open("wb") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def check(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args[:3]} exited ({proc.returncode}); logs in {self.folder}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_for(what: str, ready: object, timeout_s: float, procs: Processes) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():  # type: ignore[operator]
+        procs.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}; logs in {procs.folder}")
+        time.sleep(0.2)
+
+
+@dataclass
+class Running:
+    urls: list[str]
+    pids: list[int]
+    redis: redis.Redis
+    engines: int
+    step_samples: list[float] = field(default_factory=list)
+
+    def step_ms(self) -> float:
+        """The engines' mean step time, as their latest load reports say."""
+        steps = []
+        for i in range(self.engines):
+            raw = self.redis.get(Keys(CLUSTER).load(f"sim-{i}"))
+            if raw:
+                steps.append(load_report_decoder.decode(raw).step_time_ms)
+        return statistics.mean(steps) if steps else float("nan")
+
+
+@contextlib.contextmanager
+def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Running]:
+    """Redis, the simulated engines and ``routers`` routers, until the block ends."""
+    procs = Processes(folder)
+    redis_port = free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed; `make setup` installs it"
+    procs.spawn("redis", [binary, "--port", str(redis_port), "--save", "", "--appendonly", "no"])
+    try:
+        client = redis.Redis(port=redis_port)
+
+        def redis_up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        wait_for("Redis", redis_up, 10, procs)
+        for i in range(args.engines):
+            procs.spawn(
+                f"engine-{i}",
+                [
+                    sys.executable, "-m", "shoal_engine.main", "--backend", "sim",
+                    "--model", "llama3-8b-a100", "--sim-speed", str(args.sim_speed),
+                    "--sim-kv-blocks", "65536", "--max-model-len", "4096",
+                    "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", MODEL,
+                    "--engine-id", f"sim-{i}", "--cluster", CLUSTER, "--redis-url", redis_url,
+                    "--zmq-port", str(free_port()), "--http-port", str(free_port()),
+                ],
+            )  # fmt: skip
+        urls, pids = [], []
+        for r in range(routers):
+            port = free_port()
+            proc = procs.spawn(
+                f"router-{r}",
+                [
+                    sys.executable, "-m", "shoal_router.main", "--model", MODEL, "--cluster", CLUSTER,
+                    "--router-id", f"router-{r}", "--redis-url", redis_url,
+                    "--tokenizer", "127.0.0.1:1", "--port", str(port), "--zmq-port", str(free_port()),
+                ],
+            )  # fmt: skip
+            urls.append(f"http://127.0.0.1:{port}")
+            pids.append(proc.pid)
+
+        def all_see_engines() -> bool:
+            import httpx
+
+            for url in urls:
+                try:
+                    engines = httpx.get(url + "/health", timeout=2).json().get("engines", {})
+                except (httpx.HTTPError, ValueError):
+                    return False
+                if len(engines) < args.engines:
+                    return False
+            return True
+
+        wait_for("the routers to see every engine", all_see_engines, 120, procs)
+        yield Running(urls, pids, client, args.engines)
+    finally:
+        procs.stop()
+
+
+@dataclass
+class Stream:
+    times: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> Stream:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True, "temperature": 0}
+    out = Stream()
+    clock = time.perf_counter
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            if response.status != 200:
+                out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return out
+            async for line in response.content:
+                if line.startswith(b"data: {"):
+                    out.times.append(clock())
+    except aiohttp.ClientError as exc:
+        out.error = repr(exc)
+    return out
+
+
+async def round_of(
+    urls: list[str], streams: int, tokens: int, running: Running | None = None
+) -> list[Stream]:
+    """``streams`` streams at once; with ``running``, the engines' step time is read halfway."""
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        jobs = [
+            asyncio.create_task(
+                one_stream(session, urls[i % len(urls)], [100 + i % 997, 200 + i % 991, 300, 400], tokens)
+            )
+            for i in range(streams)
+        ]
+        if running is not None:
+            while not all(job.done() for job in jobs):
+                await asyncio.sleep(0.5)
+                if sum(job.done() for job in jobs) < streams // 2:
+                    step = await asyncio.to_thread(running.step_ms)
+                    if step > 0:  # an engine between batches reports 0
+                        running.step_samples.append(step)
+        return await asyncio.gather(*jobs)
+
+
+def measure(args: argparse.Namespace, routers: int, streams: int, folder: Path) -> dict[str, float]:
+    with fleet(args, routers, folder) as running:
+        asyncio.run(round_of(running.urls, min(streams, 8), 32))  # warm-up: connections, first steps
+        procs = [psutil.Process(pid) for pid in running.pids]
+        before = [p.cpu_times() for p in procs]
+        started = time.perf_counter()
+        results = asyncio.run(round_of(running.urls, streams, args.tokens, running))
+        wall = time.perf_counter() - started
+        after = [p.cpu_times() for p in procs]
+        step_ms = statistics.median(running.step_samples) if running.step_samples else float("nan")
+    errors = [r.error for r in results if r.error]
+    times = [t for r in results for t in r.times]
+    tokens = len(times)
+    window = (max(times) - min(times)) if times else wall
+    gaps = sorted(b - a for r in results for a, b in zip(r.times, r.times[1:], strict=False))
+    cpu = sum((a.user + a.system) - (b.user + b.system) for a, b in zip(after, before, strict=True))
+    row = {
+        "routers": routers,
+        "streams": streams,
+        "tokens": tokens,
+        "errors": len(errors),
+        "tokens_per_s": tokens / window if window else 0.0,
+        "router_cpu_us_per_token": cpu / tokens * 1e6 if tokens else float("nan"),
+        "router_cpu_cores": cpu / wall,
+        "gap_p50_ms": gaps[len(gaps) // 2] * 1000 if gaps else float("nan"),
+        "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"),
+        "engine_step_ms": step_ms,
+    }
+    print(
+        f"  {routers} router(s), {streams:>4} streams: {row['tokens_per_s']:8.0f} tok/s, router CPU "
+        f"{row['router_cpu_us_per_token']:5.1f} us/token ({row['router_cpu_cores']:.2f} cores), gap p50 "
+        f"{row['gap_p50_ms']:.2f} ms p99 {row['gap_p99_ms']:.2f} ms, "
+        f"engine step {row['engine_step_ms']:.2f} ms, {len(errors)} errors",
+        flush=True,
+    )
+    if errors:
+        print(f"    first error: {errors[0]}", flush=True)
+    return row
+
+
+def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
+    lines = [
+        BEGIN,
+        "## Relay: tokens per second through the router, one router against two",
+        "",
+        f"`make bench-relay`: {args.engines} simulated engines (A100 step model at "
+        f"x{args.sim_speed:g}), "
+        f"every stream asks for {args.tokens:,} tokens; routers, engines and the client share this "
+        f"machine's {os.cpu_count()} cores, so tokens/s is bounded by the whole machine and CPU per "
+        "token is the routers' own cost.",
+        "",
+        "| routers | streams | tokens/s | router CPU per token | router CPU (cores) | gap p50 | gap p99 | "
+        "engine step | errors |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['routers']} | {r['streams']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['router_cpu_us_per_token']:.1f} us | "
+            f"{r['router_cpu_cores']:.2f} | {r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | "
+            f"{r['engine_step_ms']:.2f} ms | {r['errors']} |"
+        )
+    by = {(r["routers"], r["streams"]): r for r in rows}
+    ratios = [
+        f"{s} streams: {by[(2, s)]['tokens_per_s'] / by[(1, s)]['tokens_per_s']:.2f}x"
+        for s in sorted({r["streams"] for r in rows})
+        if (1, s) in by and (2, s) in by and by[(1, s)]["tokens_per_s"]
+    ]
+    if ratios:
+        lines += ["", "Two routers against one (tokens/s): " + ", ".join(ratios) + "."]
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--streams", default="64,512", help="concurrent streams per round, comma-separated")
+    parser.add_argument("--routers", default="1,2")
+    parser.add_argument("--tokens", type=int, default=400, help="tokens each stream asks for")
+    parser.add_argument("--sim-speed", type=float, default=8.0)
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="shoal-relay-") as tmp:
+        for streams in (int(s) for s in args.streams.split(",")):
+            for routers in (int(r) for r in args.routers.split(",")):
+                folder = Path(tmp) / f"r{routers}-s{streams}"
+                folder.mkdir()
+                print(
+                    f"  starting {args.engines} engines and {routers} router(s) for {streams} streams",
+                    flush=True,
+                )
+                rows.append(measure(args, routers, streams, folder))
+    publish(section(args, rows), BEGIN, END, print_only=args.no_docs)
+
+
+if __name__ == "__main__":
+    main()
