@@ -39,11 +39,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
 import psutil
 import redis
 from report import publish
@@ -88,9 +89,9 @@ class Processes:
                 proc.kill()
 
 
-def wait_for(what: str, ready: object, timeout_s: float, procs: Processes) -> None:
+def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, procs: Processes) -> None:
     deadline = time.monotonic() + timeout_s
-    while not ready():  # type: ignore[operator]
+    while not ready():
         procs.check()
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}; logs in {procs.folder}")
@@ -161,8 +162,6 @@ def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Runn
             pids.append(proc.pid)
 
         def all_see_engines() -> bool:
-            import httpx
-
             for url in urls:
                 try:
                     engines = httpx.get(url + "/health", timeout=2).json().get("engines", {})

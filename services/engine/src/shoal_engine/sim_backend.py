@@ -148,7 +148,6 @@ class SimRequest:
     generated: int = 0
     blocks: int = 0
     finish: FinishReason | None = None
-    preemptions: int = 0
 
     @property
     def context(self) -> int:
@@ -272,7 +271,6 @@ class SimBatch:
                 victim = self.running.pop()
                 self.free += victim.blocks
                 victim.blocks = 0
-                victim.preemptions += 1
                 self.waiting.appendleft(victim)
                 self.preemptions += 1
                 PREEMPTIONS.inc()

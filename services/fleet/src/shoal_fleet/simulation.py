@@ -31,13 +31,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shoal_engine.migration import MIN_TOKENS_LEFT
 from shoal_engine.sim_backend import SimBatch, SimConfig, SimRequest, Step
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
 from shoal_router.core.rebalance import BalancePolicy, Balancer
 from shoal_router.core.scheduling import Ask, Scheduler
-
-MIN_TOKENS_LEFT = 16  # as shoal_engine.migration.MIN_TOKENS_LEFT
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,6 @@ class _Tracked:
     last: float = -1.0
     preempted_at: float = -1.0
     preemption_loss: float = 0.0
-    moves: int = 0
     moving: bool = False
 
 
@@ -113,7 +111,6 @@ class Result:
     preemption_loss_s: float
     """Time preempted requests spent between being preempted and their next token, summed."""
     tokens: int
-    makespan_s: float
     offered_tokens_per_s: float
     """Output tokens asked for per second: all requests' outputs over the arrival window."""
     steady_tokens_per_s: float
@@ -139,7 +136,6 @@ class Result:
             "decode_p99_ms": p(self.decode, 99) * 1000,
             "preemptions": self.preemptions,
             "preemption_loss_s": self.preemption_loss_s,
-            "tokens_per_s": self.tokens / self.makespan_s if self.makespan_s else 0.0,
             "offered_tokens_per_s": self.offered_tokens_per_s,
             "steady_tokens_per_s": self.steady_tokens_per_s,
             "migrations": self.migrations,
@@ -166,7 +162,6 @@ class Simulation:
         self._report_seq = 0
         self._tracked: dict[str, _Tracked] = {}
         self._left = workload.requests
-        self._done = 0
         self.migrations = self.refused = 0
         self.stalls: list[float] = []
 
@@ -197,7 +192,6 @@ class Simulation:
             self.now, _, action = heapq.heappop(self._events)
             action()
         tracked = list(self._tracked.values())
-        first_arrival = min(t.arrival for t in tracked)
         return Result(
             ttft=[t.first - t.arrival for t in tracked],
             decode=[
@@ -206,7 +200,6 @@ class Simulation:
             preemptions=sum(b.preemptions for b in self.batches),
             preemption_loss_s=sum(t.preemption_loss for t in tracked),
             tokens=sum(t.request.generated for t in tracked),
-            makespan_s=max(t.last for t in tracked) - first_arrival,
             offered_tokens_per_s=sum(output for _, _, output in draw) / window,
             steady_tokens_per_s=(emitted[1] - emitted[0]) / (window / 2),
             migrations=self.migrations,
@@ -262,9 +255,8 @@ class Simulation:
                 view = self.views[tracked.engine]
                 view.inflight = max(0, view.inflight - 1)
                 self._left -= 1
-                self._done += 1
                 if self.progress is not None:
-                    self.progress(self._done)
+                    self.progress(self.workload.requests - self._left)
         self._start_step(engine)
 
     def _report(self) -> None:
@@ -289,13 +281,14 @@ class Simulation:
     def _balance(self) -> None:
         for source, target in self.balancer.decide(self.views, self.now):
             self.balancer.started(source, target)
-            self._move(self._by_id[source.engine_id], self._by_id[target.engine_id], source, target)
+            self._move(source, target)
         self.at(self.now + self.fleet.balance_interval_s, self._balance)
 
     def _copy_s(self, blocks: int) -> float:
         return blocks * self.fleet.block_bytes / (self.fleet.kv_bandwidth_gbps * 1e9)
 
-    def _move(self, src: int, dst: int, source: EngineView, target: EngineView) -> None:
+    def _move(self, source: EngineView, target: EngineView) -> None:
+        src, dst = self._by_id[source.engine_id], self._by_id[target.engine_id]
         fleet, batch = self.fleet, self.batches[src]
         candidates = [
             r for r in batch.running
@@ -336,7 +329,6 @@ class Simulation:
         def commit(stall: float) -> None:
             self.batches[dst].admit_moved(request, reserved)
             tracked.engine, tracked.moving = dst, False
-            tracked.moves += 1
             self.views[src].inflight = max(0, self.views[src].inflight - 1)
             self.views[dst].inflight += 1
             self.migrations += 1
