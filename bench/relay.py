@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -102,6 +103,7 @@ def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, procs: Proc
 class Running:
     urls: list[str]
     pids: list[int]
+    engine_pids: list[int]
     redis: redis.Redis
     engines: int
     step_samples: list[float] = field(default_factory=list)
@@ -135,8 +137,9 @@ def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Runn
                 return False
 
         wait_for("Redis", redis_up, 10, procs)
+        engine_pids = []
         for i in range(args.engines):
-            procs.spawn(
+            engine = procs.spawn(
                 f"engine-{i}",
                 [
                     sys.executable, "-m", "shoal_engine.main", "--backend", "sim",
@@ -147,6 +150,7 @@ def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Runn
                     "--zmq-port", str(free_port()), "--http-port", str(free_port()),
                 ],
             )  # fmt: skip
+            engine_pids.append(engine.pid)
         urls, pids = [], []
         for r in range(routers):
             port = free_port()
@@ -172,19 +176,30 @@ def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Runn
             return True
 
         wait_for("the routers to see every engine", all_see_engines, 120, procs)
-        yield Running(urls, pids, client, args.engines)
+        yield Running(urls, pids, engine_pids, client, args.engines)
     finally:
         procs.stop()
 
 
 @dataclass
 class Stream:
+    # When each SSE event with output arrived; one event may carry several tokens (the router
+    # merges what piled up while a client's previous write was pending).
     times: list[float] = field(default_factory=list)
+    # Output tokens, from the usage event at the end of the stream.
+    tokens: int = 0
     error: str = ""
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> Stream:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "stream": True,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
     out = Stream()
     clock = time.perf_counter
     try:
@@ -193,10 +208,16 @@ async def one_stream(session: aiohttp.ClientSession, url: str, prompt: list[int]
                 out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return out
             async for line in response.content:
-                if line.startswith(b"data: {"):
+                if not line.startswith(b"data: {"):
+                    continue
+                if b'"choices":[]' in line:
+                    out.tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                else:
                     out.times.append(clock())
     except aiohttp.ClientError as exc:
         out.error = repr(exc)
+    if not out.error and out.tokens != tokens:
+        out.error = f"{out.tokens} tokens arrived, {tokens} were asked for"
     return out
 
 
@@ -223,39 +244,50 @@ async def round_of(
         return await asyncio.gather(*jobs)
 
 
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
 def measure(args: argparse.Namespace, routers: int, streams: int, folder: Path) -> dict[str, float]:
     with fleet(args, routers, folder) as running:
         asyncio.run(round_of(running.urls, min(streams, 8), 32))  # warm-up: connections, first steps
-        procs = [psutil.Process(pid) for pid in running.pids]
-        before = [p.cpu_times() for p in procs]
+        router_procs = [psutil.Process(pid) for pid in running.pids]
+        engine_procs = [psutil.Process(pid) for pid in running.engine_pids]
+        router_before, engine_before = cpu_seconds(router_procs), cpu_seconds(engine_procs)
         started = time.perf_counter()
         results = asyncio.run(round_of(running.urls, streams, args.tokens, running))
         wall = time.perf_counter() - started
-        after = [p.cpu_times() for p in procs]
+        router_cpu = cpu_seconds(router_procs) - router_before
+        engine_cpu = cpu_seconds(engine_procs) - engine_before
         step_ms = statistics.median(running.step_samples) if running.step_samples else float("nan")
     errors = [r.error for r in results if r.error]
     times = [t for r in results for t in r.times]
-    tokens = len(times)
+    tokens = sum(r.tokens for r in results)
+    events = len(times)
     window = (max(times) - min(times)) if times else wall
     gaps = sorted(b - a for r in results for a, b in zip(r.times, r.times[1:], strict=False))
-    cpu = sum((a.user + a.system) - (b.user + b.system) for a, b in zip(after, before, strict=True))
     row = {
         "routers": routers,
         "streams": streams,
         "tokens": tokens,
+        "events": events,
         "errors": len(errors),
         "tokens_per_s": tokens / window if window else 0.0,
-        "router_cpu_us_per_token": cpu / tokens * 1e6 if tokens else float("nan"),
-        "router_cpu_cores": cpu / wall,
+        "tokens_per_event": tokens / events if events else float("nan"),
+        "router_cpu_us_per_token": router_cpu / tokens * 1e6 if tokens else float("nan"),
+        "router_cpu_us_per_event": router_cpu / events * 1e6 if events else float("nan"),
+        "engine_cpu_us_per_token": engine_cpu / tokens * 1e6 if tokens else float("nan"),
+        "router_cpu_cores": router_cpu / wall,
         "gap_p50_ms": gaps[len(gaps) // 2] * 1000 if gaps else float("nan"),
         "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"),
         "engine_step_ms": step_ms,
     }
     print(
-        f"  {routers} router(s), {streams:>4} streams: {row['tokens_per_s']:8.0f} tok/s, router CPU "
-        f"{row['router_cpu_us_per_token']:5.1f} us/token ({row['router_cpu_cores']:.2f} cores), gap p50 "
-        f"{row['gap_p50_ms']:.2f} ms p99 {row['gap_p99_ms']:.2f} ms, "
-        f"engine step {row['engine_step_ms']:.2f} ms, {len(errors)} errors",
+        f"  {routers} router(s), {streams:>4} streams: {row['tokens_per_s']:8.0f} tok/s "
+        f"({row['tokens_per_event']:.2f} per event), router CPU {row['router_cpu_us_per_token']:5.1f} "
+        f"us/token {row['router_cpu_us_per_event']:5.1f} us/event ({row['router_cpu_cores']:.2f} cores), "
+        f"engines {row['engine_cpu_us_per_token']:.1f} us/token, gap p50 {row['gap_p50_ms']:.2f} ms "
+        f"p99 {row['gap_p99_ms']:.2f} ms, engine step {row['engine_step_ms']:.2f} ms, {len(errors)} errors",
         flush=True,
     )
     if errors:
@@ -274,14 +306,14 @@ def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
         f"machine's {os.cpu_count()} cores, so tokens/s is bounded by the whole machine and CPU per "
         "token is the routers' own cost.",
         "",
-        "| routers | streams | tokens/s | router CPU per token | router CPU (cores) | gap p50 | gap p99 | "
-        "engine step | errors |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| routers | streams | tokens/s | tokens per SSE event | router CPU per token | per event | "
+        "router CPU (cores) | gap p50 | gap p99 | engine step | errors |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['routers']} | {r['streams']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['router_cpu_us_per_token']:.1f} us | "
+            f"| {r['routers']} | {r['streams']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_event']:.2f} | "
+            f"{r['router_cpu_us_per_token']:.1f} us | {r['router_cpu_us_per_event']:.1f} us | "
             f"{r['router_cpu_cores']:.2f} | {r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | "
             f"{r['engine_step_ms']:.2f} ms | {r['errors']} |"
         )
@@ -297,16 +329,53 @@ def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+GUARD_FILE = Path(__file__).with_name("relay_guard.json")
+# The guard fails when the router's cost relative to the engines' grows past this many times
+# the recorded ratio: far above run-to-run noise, well below what a real regression costs
+# (the BaseHTTPMiddleware layers this router once had cost 2.4-3.9x).
+GUARD_LIMIT = 2.0
+
+
+def guard(args: argparse.Namespace, record: bool) -> int:
+    """One quick round (one router, 64 streams); the router's CPU per SSE event over the
+    engines' CPU per token in the same round, against the ratio recorded in ``GUARD_FILE``.
+
+    Both processes share the machine and the load, so the ratio holds from a slow machine to a
+    fast one where absolute microseconds do not. Returns the exit status."""
+    with tempfile.TemporaryDirectory(prefix="shoal-relay-guard-") as tmp:
+        row = measure(args, routers=1, streams=args.guard_streams, folder=Path(tmp))
+    ratio = row["router_cpu_us_per_event"] / row["engine_cpu_us_per_token"]
+    if record:
+        GUARD_FILE.write_text(json.dumps({"router_per_engine_cpu": round(ratio, 3)}, indent=2) + "\n")
+        print(f"recorded router/engine CPU ratio {ratio:.2f} in {GUARD_FILE.name}")
+        return 0
+    baseline = json.loads(GUARD_FILE.read_text())["router_per_engine_cpu"]
+    limit = GUARD_LIMIT * baseline
+    verdict = "ok" if ratio <= limit and not row["errors"] else "REGRESSION"
+    print(
+        f"relay guard: router CPU per event / engine CPU per token = {ratio:.2f} "
+        f"(recorded {baseline:.2f}, fails above {limit:.2f}); {row['errors']} stream errors: {verdict}"
+    )
+    return 0 if verdict == "ok" else 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--streams", default="64,512", help="concurrent streams per round, comma-separated")
+    parser.add_argument("--streams", default="64,512,2048", help="streams per round, comma-separated")
     parser.add_argument("--routers", default="1,2")
     parser.add_argument("--tokens", type=int, default=400, help="tokens each stream asks for")
     parser.add_argument("--sim-speed", type=float, default=8.0)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+    parser.add_argument(
+        "--guard", action="store_true", help="quick regression check against bench/relay_guard.json"
+    )
+    parser.add_argument("--record-guard", action="store_true", help="measure, write bench/relay_guard.json")
+    parser.add_argument("--guard-streams", type=int, default=64)
     args = parser.parse_args()
+    if args.guard or args.record_guard:
+        sys.exit(guard(args, record=args.record_guard))
     rows = []
     with tempfile.TemporaryDirectory(prefix="shoal-relay-") as tmp:
         for streams in (int(s) for s in args.streams.split(",")):

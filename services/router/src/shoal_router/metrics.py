@@ -9,6 +9,7 @@ requests or output tokens is the router's cost per request and per token.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -21,8 +22,22 @@ _BATCH_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e
 _STALL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelMetrics:
+    """One model's series of the per-token metrics, looked up once: ``labels()`` costs more
+    than the observation itself, and the stream path observes every SSE event."""
+
+    ttft: Histogram
+    token_gap: Histogram
+    output_tokens: Counter
+    tpot: Histogram
+    migrations: Counter
+    migration_stall: Histogram
+
+
 class RouterMetrics:
     def __init__(self) -> None:
+        self._models: dict[str, ModelMetrics] = {}
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
         self.requests = Counter(
@@ -164,6 +179,19 @@ class RouterMetrics:
             ["engine", "model"],
             registry=r,
         )
+
+    def for_model(self, model: str) -> ModelMetrics:
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(
+                self.ttft.labels(model),
+                self.token_gap.labels(model),
+                self.output_tokens.labels(model),
+                self.tpot.labels(model),
+                self.migrations.labels(model),
+                self.migration_stall.labels(model),
+            )
+        return found
 
     def set_fleet(self, views: Iterable[EngineView]) -> None:
         """Set the per-engine gauges from the router's view of the fleet (at scrape time)."""

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -71,8 +71,11 @@ def _now() -> int:
     return int(time.time())
 
 
+_json = msgspec.json.Encoder()
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _json.encode(payload) + b"\n\n"
 
 
 def _usage(handle: GenerationHandle) -> dict[str, int]:

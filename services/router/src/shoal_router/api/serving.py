@@ -176,6 +176,7 @@ class GenerationHandle:
         self._last_engine = ""  # the engine whose tokens came last
         self.prompt_tokens = len(add.prompt_token_ids)
         self.finish_reason: str | None = None
+        self._metrics = generation.metrics.for_model(model)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -272,24 +273,25 @@ class GenerationHandle:
             gen.metrics.dispatch_retries.inc()
 
     def _observe(self, delta: RequestDelta) -> None:
-        if not delta.token_ids:
+        count = len(delta.token_ids)
+        if not count:
             return
         now = time.monotonic()
-        metrics = self._gen.metrics
+        metrics = self._metrics
         if self._first_token_at is None:
             self._first_token_at = now
-            metrics.ttft.labels(self.model).observe(now - self.arrived)
+            metrics.ttft.observe(now - self.arrived)
         else:
-            metrics.token_gap.labels(self.model).observe((now - self._last_token_at) / len(delta.token_ids))
+            metrics.token_gap.observe((now - self._last_token_at) / count)
             if delta.engine_id and self._last_engine and delta.engine_id != self._last_engine:
                 # The request moved mid-stream: what the client waited across the switch.
-                metrics.migrations.labels(self.model).inc()
-                metrics.migration_stall.labels(self.model).observe(now - self._last_token_at)
+                metrics.migrations.inc()
+                metrics.migration_stall.observe(now - self._last_token_at)
                 self._moved_to(delta.engine_id)
         self._last_token_at = now
         if delta.engine_id:
             self._last_engine = delta.engine_id
-        metrics.output_tokens.labels(self.model).inc(len(delta.token_ids))
+        metrics.output_tokens.inc(count)
 
     def _moved_to(self, engine_id: str) -> None:
         """Count the request on its new engine (dispatch weighs each engine by what runs there)."""
@@ -306,7 +308,7 @@ class GenerationHandle:
         metrics.e2e.labels(self.model, self.finish_reason).observe(now - self.arrived)
         if self._first_token_at is not None and self.collector.delivered > 1:
             tpot = (self._last_token_at - self._first_token_at) / (self.collector.delivered - 1)
-            metrics.tpot.labels(self.model).observe(tpot)
+            self._metrics.tpot.observe(tpot)
 
     def close(self) -> None:
         """Release the request; abort it on its engine if it has not finished."""

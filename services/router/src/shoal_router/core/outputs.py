@@ -54,7 +54,9 @@ class RequestOutputCollector:
         self.finished = False
         self._pending: RequestDelta | None = None
         self._held: dict[int, tuple[str, RequestPiece]] = {}
-        self._ready = asyncio.Event()
+        # The reader's wake-up while it waits in ``get`` (a bare future: an ``asyncio.Event``
+        # costs more per token, and there is only ever one reader).
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, engine_id: str, piece: RequestPiece) -> None:
         if self.finished:
@@ -116,16 +118,21 @@ class RequestOutputCollector:
             pending.num_prompt_tokens = piece.num_prompt_tokens
             pending.error = piece.error
             self.finished = True
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def get_nowait(self) -> RequestDelta | None:
         delta, self._pending = self._pending, None
-        self._ready.clear()
         return delta
 
     async def get(self) -> RequestDelta:
         while self._pending is None:
-            await self._ready.wait()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
         delta = self.get_nowait()
         assert delta is not None
         return delta
@@ -141,4 +148,3 @@ class RequestOutputCollector:
             pending.finish_reason = pending.stop_reason = pending.error = None
         else:
             self._pending = None
-            self._ready.clear()
