@@ -68,9 +68,11 @@ class Processes:
     folder: Path
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with (self.folder / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
@@ -119,8 +121,12 @@ class Running:
 
 
 @contextlib.contextmanager
-def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Running]:
-    """Redis, the simulated engines and ``routers`` routers, until the block ends."""
+def fleet(
+    args: argparse.Namespace, routers: int, folder: Path, router_src: str | None = None
+) -> Iterator[Running]:
+    """Redis, the simulated engines and ``routers`` routers, until the block ends; with
+    ``router_src``, the routers run the router package found there (another checkout's
+    ``services/router/src``) instead of the installed one."""
     procs = Processes(folder)
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -152,6 +158,12 @@ def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Runn
             )  # fmt: skip
             engine_pids.append(engine.pid)
         urls, pids = [], []
+        router_env = None
+        if router_src is not None:
+            router_env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([router_src, os.environ.get("PYTHONPATH", "")]),
+            }
         for r in range(routers):
             port = free_port()
             proc = procs.spawn(
@@ -161,6 +173,7 @@ def fleet(args: argparse.Namespace, routers: int, folder: Path) -> Iterator[Runn
                     "--router-id", f"router-{r}", "--redis-url", redis_url,
                     "--tokenizer", "127.0.0.1:1", "--port", str(port), "--zmq-port", str(free_port()),
                 ],
+                env=router_env,
             )  # fmt: skip
             urls.append(f"http://127.0.0.1:{port}")
             pids.append(proc.pid)
@@ -248,8 +261,10 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
 
-def measure(args: argparse.Namespace, routers: int, streams: int, folder: Path) -> dict[str, float]:
-    with fleet(args, routers, folder) as running:
+def measure(
+    args: argparse.Namespace, routers: int, streams: int, folder: Path, router_src: str | None = None
+) -> dict[str, float]:
+    with fleet(args, routers, folder, router_src) as running:
         asyncio.run(round_of(running.urls, min(streams, 8), 32))  # warm-up: connections, first steps
         router_procs = [psutil.Process(pid) for pid in running.pids]
         engine_procs = [psutil.Process(pid) for pid in running.engine_pids]
@@ -283,7 +298,8 @@ def measure(args: argparse.Namespace, routers: int, streams: int, folder: Path) 
         "engine_step_ms": step_ms,
     }
     print(
-        f"  {routers} router(s), {streams:>4} streams: {row['tokens_per_s']:8.0f} tok/s "
+        f"  {'baseline ' if router_src else ''}{routers} router(s), {streams:>4} streams: "
+        f"{row['tokens_per_s']:8.0f} tok/s "
         f"({row['tokens_per_event']:.2f} per event), router CPU {row['router_cpu_us_per_token']:5.1f} "
         f"us/token {row['router_cpu_us_per_event']:5.1f} us/event ({row['router_cpu_cores']:.2f} cores), "
         f"engines {row['engine_cpu_us_per_token']:.1f} us/token, gap p50 {row['gap_p50_ms']:.2f} ms "
@@ -373,21 +389,47 @@ def main() -> None:
     )
     parser.add_argument("--record-guard", action="store_true", help="measure, write bench/relay_guard.json")
     parser.add_argument("--guard-streams", type=int, default=64)
+    parser.add_argument(
+        "--baseline-src",
+        help="also run every round with the router package at this path (another checkout's "
+        "services/router/src), for a before/after in one run",
+    )
     args = parser.parse_args()
     if args.guard or args.record_guard:
         sys.exit(guard(args, record=args.record_guard))
-    rows = []
+    rows, baseline_rows = [], []
     with tempfile.TemporaryDirectory(prefix="shoal-relay-") as tmp:
         for streams in (int(s) for s in args.streams.split(",")):
             for routers in (int(r) for r in args.routers.split(",")):
-                folder = Path(tmp) / f"r{routers}-s{streams}"
-                folder.mkdir()
                 print(
                     f"  starting {args.engines} engines and {routers} router(s) for {streams} streams",
                     flush=True,
                 )
+                folder = Path(tmp) / f"r{routers}-s{streams}"
+                folder.mkdir()
                 rows.append(measure(args, routers, streams, folder))
+                if args.baseline_src:
+                    folder = Path(tmp) / f"baseline-r{routers}-s{streams}"
+                    folder.mkdir()
+                    baseline_rows.append(measure(args, routers, streams, folder, args.baseline_src))
+    if baseline_rows:
+        print(compare(rows, baseline_rows))
     publish(section(args, rows), BEGIN, END, print_only=args.no_docs)
+
+
+def compare(rows: list[dict[str, float]], baseline_rows: list[dict[str, float]]) -> str:
+    """A markdown table of the baseline router against this one, round by round."""
+    lines = [
+        "| routers | streams | CPU per event, baseline | this router | gap p99, baseline | this router |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    for new, old in zip(rows, baseline_rows, strict=True):
+        lines.append(
+            f"| {new['routers']} | {new['streams']} | {old['router_cpu_us_per_event']:.1f} us | "
+            f"{new['router_cpu_us_per_event']:.1f} us | {old['gap_p99_ms']:.2f} ms | "
+            f"{new['gap_p99_ms']:.2f} ms |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

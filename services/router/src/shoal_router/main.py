@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from types import FrameType
@@ -262,10 +263,29 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+# Python's cyclic collector runs its youngest generation every 700 net allocations by default;
+# the stream path allocates a few objects per SSE event, so with thousands of streams the
+# collector ran hundreds of times a second and its full passes over every live request showed
+# up as inter-token gaps (docs/benchmarks.md, relay).
+GC_GEN0_THRESHOLD = 20_000
+
+
+def _quiet_gc() -> None:
+    """Keep what start-up allocated out of every future collection, and collect the young
+    generation less often. Streams make little cyclic garbage: their objects go away by
+    reference counting when a request ends."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
 async def serve(config: RouterConfig) -> None:
+    app = build_app(config)
+    _quiet_gc()
     server = _Server(
         uvicorn.Config(
-            build_app(config),
+            app,
             host=config.host,
             port=config.port,
             log_level="warning",
