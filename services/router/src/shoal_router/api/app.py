@@ -196,11 +196,13 @@ class _Gate:
                 return
             scope.setdefault("state", {})["api_key"] = caller
 
-        async def counted(message: Message) -> None:
+        def counted(message: Message) -> Awaitable[None]:
+            # A plain function handing back ``send``'s awaitable: no coroutine of its own for
+            # every streamed chunk.
             if message["type"] == "http.response.start":
                 endpoint = getattr(scope.get("route"), "path", "other")
                 self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
+            return send(message)
 
         await self.app(scope, receive, counted)
 
@@ -356,28 +358,30 @@ def create_app(
     ) -> AsyncIterator[bytes]:
         created = _now()
         obj = "chat.completion.chunk" if chat else "text_completion"
+        # Read once: the request's options are pydantic attributes, slower than locals, and
+        # this runs for every SSE event.
+        include_usage, token_ids, model = body.include_usage, body.return_token_ids, body.model
 
         def chunk(delta: RequestDelta, first_chunk: bool = False) -> bytes:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(delta)}
             if chat:
-                content: dict[str, Any] = {"content": delta.text}
-                if first_chunk:
-                    content["role"] = "assistant"
-                choice["delta"] = content
+                choice["delta"] = (
+                    {"role": "assistant", "content": delta.text} if first_chunk else {"content": delta.text}
+                )
             else:
                 choice["text"] = delta.text
-            if body.return_token_ids:
+            if token_ids:
                 choice["token_ids"] = delta.token_ids
             payload: dict[str, Any] = {
                 "id": response_id,
                 "object": obj,
                 "created": created,
-                "model": body.model,
+                "model": model,
                 "choices": [choice],
             }
-            if first_chunk and body.return_token_ids:
+            if first_chunk and token_ids:
                 payload["prompt_token_ids"] = handle.prompt_token_ids
-            if body.include_usage:
+            if include_usage:
                 payload["usage"] = None
             return _sse(payload)
 
@@ -386,13 +390,13 @@ def create_app(
             if not first.finished:
                 async for delta in deltas:
                     yield chunk(delta)
-            if body.include_usage:
+            if include_usage:
                 yield _sse(
                     {
                         "id": response_id,
                         "object": obj,
                         "created": created,
-                        "model": body.model,
+                        "model": model,
                         "choices": [],
                         "usage": _usage(handle),
                     }
