@@ -120,6 +120,10 @@ bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 25
 bench-fleet: setup ## Round-robin vs least-load vs migration on 16 to 256 simulated engines; writes docs/benchmarks.md
 	$(PY) bench/fleet.py $(BENCH_ARGS)
 
+.PHONY: bench-consolidate
+bench-consolidate: setup ## Engines freed by consolidation and its latency cost, on simulated engines; writes docs/benchmarks.md
+	$(PY) bench/consolidate.py $(BENCH_ARGS)
+
 .PHONY: bench-relay
 bench-relay: setup ## Tokens/s and router CPU per token through one and two routers (simulated engines); writes docs/benchmarks.md
 	$(PY) bench/relay.py $(BENCH_ARGS)

@@ -46,6 +46,8 @@ class EngineRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     state: EngineState = EngineState.ACTIVE
     max_model_len: int
     kv_blocks_total: int = 0
+    # Requests the engine runs at once (its batch slots); 0: not said.
+    max_num_seqs: int = 0
     pid: int = 0
     hostname: str = ""
     protocol_version: int
@@ -139,6 +141,11 @@ class Keys:
     def leader(self) -> str:
         """The lease of the router that issues the cluster's balancing migrations (its id)."""
         return self.prefix + "leader"
+
+    def emptying(self, engine_id: str) -> str:
+        """Present (the leader's id, with a TTL the leader renews) while the leader empties the
+        engine for consolidation: routers send it no new requests."""
+        return f"{self.prefix}emptying:{engine_id}"
 
 
 json_encoder = msgspec.json.Encoder()

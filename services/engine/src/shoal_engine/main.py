@@ -273,6 +273,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         http_address=f"http://{config.host}:{config.http_port}",
         max_model_len=info.max_model_len,
         kv_blocks_total=info.kv_blocks_total,
+        max_num_seqs=config.max_num_seqs,
         pid=os.getpid(),
         hostname=socket.gethostname(),
         protocol_version=PROTOCOL_VERSION,

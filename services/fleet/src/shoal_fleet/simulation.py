@@ -35,7 +35,7 @@ from shoal_engine.migration import MIN_TOKENS_LEFT
 from shoal_engine.sim_backend import SimBatch, SimConfig, SimRequest, Step
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
-from shoal_router.core.rebalance import BalancePolicy, Balancer
+from shoal_router.core.rebalance import BalancePolicy, Balancer, Move
 from shoal_router.core.scheduling import Ask, Scheduler
 
 
@@ -119,6 +119,9 @@ class Result:
     migrations: int
     migration_refused: int
     stall_ms: list[float]
+    empty_engines: float = 0.0
+    """Engines holding no request, on average over the second half of the arrival window (load
+    reports' view): what a scale-down could remove without moving anything."""
 
     @staticmethod
     def percentile(values: list[float], q: float) -> float:
@@ -140,6 +143,7 @@ class Result:
             "steady_tokens_per_s": self.steady_tokens_per_s,
             "migrations": self.migrations,
             "stall_p99_ms": p(self.stall_ms, 99),
+            "empty_engines": self.empty_engines,
         }
 
 
@@ -164,12 +168,16 @@ class Simulation:
         self._left = workload.requests
         self.migrations = self.refused = 0
         self.stalls: list[float] = []
+        # Engines found empty at each report within ``_empty_window``, and the reports counted.
+        self._empty_window = (0.0, 0.0)
+        self._empty_seen = self._empty_reports = 0
 
     def _record(self, index: int) -> EngineRecord:
         return EngineRecord(
             engine_id=f"engine-{index:03d}", model="m", zmq_address="", http_address="",
             max_model_len=self.fleet.sim.max_model_len, protocol_version=1, started_at=0.0,
             kv_blocks_total=self.fleet.sim.kv_blocks, control_address="sim",
+            max_num_seqs=self.fleet.sim.max_num_seqs,
         )  # fmt: skip
 
     # ---- the event queue ------------------------------------------------------------------
@@ -182,6 +190,7 @@ class Simulation:
         for arrival, prompt, output in draw:
             self.at(arrival, lambda p=prompt, o=output: self._arrive(p, o))
         window = draw[-1][0]
+        self._empty_window = (window / 2, window)
         emitted: list[int] = []
         for when in (window / 2, window):
             self.at(when, lambda: emitted.append(sum(t.request.generated for t in self._tracked.values())))
@@ -205,6 +214,7 @@ class Simulation:
             migrations=self.migrations,
             migration_refused=self.refused,
             stall_ms=self.stalls,
+            empty_engines=self._empty_seen / self._empty_reports if self._empty_reports else 0.0,
         )
 
     # ---- requests and engines ---------------------------------------------------------------
@@ -261,6 +271,9 @@ class Simulation:
 
     def _report(self) -> None:
         self._report_seq += 1
+        if self._empty_window[0] <= self.now <= self._empty_window[1]:
+            self._empty_reports += 1
+            self._empty_seen += sum(1 for b in self.batches if not b.running and not b.waiting)
         for batch, view in zip(self.batches, self.views, strict=True):
             used = batch.config.kv_blocks - batch.free
             view.update_report(
@@ -279,15 +292,21 @@ class Simulation:
     # ---- balancing migrations -----------------------------------------------------------------
 
     def _balance(self) -> None:
-        for source, target in self.balancer.decide(self.views, self.now):
-            self.balancer.started(source, target)
-            self._move(source, target)
+        for move in self.balancer.decide(self.views, self.now):
+            self.balancer.started(move)
+            self._move(move)
+        # The leader's emptying marks, as every router reads them from Redis.
+        for view in self.views:
+            emptying = view.engine_id in self.balancer.emptying
+            if view.emptying != emptying:
+                view.emptying = emptying
         self.at(self.now + self.fleet.balance_interval_s, self._balance)
 
     def _copy_s(self, blocks: int) -> float:
         return blocks * self.fleet.block_bytes / (self.fleet.kv_bandwidth_gbps * 1e9)
 
-    def _move(self, source: EngineView, target: EngineView) -> None:
+    def _move(self, move: Move) -> None:
+        source, target = move.source, move.target
         src, dst = self._by_id[source.engine_id], self._by_id[target.engine_id]
         fleet, batch = self.fleet, self.batches[src]
         candidates = [
@@ -295,21 +314,21 @@ class Simulation:
             if r.generated >= 1 and r.left >= MIN_TOKENS_LEFT and not self._tracked[r.request_id].moving
         ]  # fmt: skip
         if not candidates:
-            self.balancer.ended(source, target, self.now)
+            self.balancer.ended(move, self.now)
             return
         request = min(candidates, key=lambda r: r.context)
         tracked = self._tracked[request.request_id]
         reserved = self.batches[dst].blocks(request.context + 1)
         if not self.batches[dst].reserve(reserved):
             self.refused += 1
-            self.balancer.ended(source, target, self.now)
+            self.balancer.ended(move, self.now)
             return
         tracked.moving = True
 
         def abandon() -> None:
             tracked.moving = False
             self.batches[dst].unreserve(reserved)
-            self.balancer.ended(source, target, self.now)
+            self.balancer.ended(move, self.now)
 
         def stage(number: int, copied: int) -> None:
             if request not in batch.running:  # finished or preempted during the copy
@@ -333,7 +352,7 @@ class Simulation:
             self.views[dst].inflight += 1
             self.migrations += 1
             self.stalls.append(stall * 1000.0)
-            self.balancer.ended(source, target, self.now)
+            self.balancer.ended(move, self.now)
             self._wake(dst)
 
         self.at(self.now + fleet.rpc_ms / 1000.0, lambda: stage(1, 0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal_router.core.scheduling import Scheduler
 
@@ -92,6 +92,13 @@ class RouterConfig(BaseModel):
     balance_cooldown_s: float = Field(default=5.0, ge=0.0)
     """An engine that took part in a balancing move is left alone this long after it."""
 
+    consolidate_below: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """With ``balance``: empty the least-loaded engine while the model's KV use over the engines
+    left stays below this fraction, so the autoscaler can remove it (0: never)."""
+
+    consolidate_release: float = Field(default=0.7, gt=0.0, le=1.0)
+    """Give an emptying engine back to dispatch once the KV use over the others passes this."""
+
     leader_ttl_s: float = Field(default=5.0, gt=0.0)
     """The leader lease's lifetime: a dead leader's successor takes over after it."""
 
@@ -116,3 +123,12 @@ class RouterConfig(BaseModel):
     def _known_scheduler(cls, value: str) -> str:
         Scheduler(value)  # raises ValueError naming what is wrong
         return value
+
+    @model_validator(mode="after")
+    def _release_above_start(self) -> RouterConfig:
+        if self.consolidate_below and self.consolidate_release <= self.consolidate_below:
+            raise ValueError(
+                f"consolidate_release ({self.consolidate_release}) must be above consolidate_below "
+                f"({self.consolidate_below})"
+            )
+        return self

@@ -94,6 +94,18 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--balance-threshold", type=float, default=0.1, help="freeness lead calling a move")
     parser.add_argument("--balance-cooldown", type=float, default=5.0, help="seconds an engine rests after")
     parser.add_argument(
+        "--consolidate-below",
+        type=float,
+        default=0.0,
+        help="with --balance: empty the least-loaded engine while KV use over the rest stays below this",
+    )
+    parser.add_argument(
+        "--consolidate-release",
+        type=float,
+        default=0.7,
+        help="give an emptying engine back once KV use over the rest passes this",
+    )
+    parser.add_argument(
         "--redis-restart-grace",
         type=float,
         default=10.0,
@@ -126,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         balance_interval_s=args.balance_interval,
         balance_threshold=args.balance_threshold,
         balance_cooldown_s=args.balance_cooldown,
+        consolidate_below=args.consolidate_below,
+        consolidate_release=args.consolidate_release,
     )
 
 
@@ -197,8 +211,15 @@ def build_app(config: RouterConfig) -> FastAPI:
                 Lease(redis_client, Keys(config.cluster).leader, config.router_id, config.leader_ttl_s),
                 engine_views,
                 metrics,
-                BalancePolicy(threshold=config.balance_threshold, cooldown_s=config.balance_cooldown_s),
+                BalancePolicy(
+                    threshold=config.balance_threshold,
+                    cooldown_s=config.balance_cooldown_s,
+                    consolidate_below=config.consolidate_below,
+                    consolidate_release=config.consolidate_release,
+                ),
                 config.balance_interval_s,
+                client=redis_client,
+                keys=Keys(config.cluster),
             )
             tasks.append(asyncio.create_task(rebalancer.run_forever(), name="rebalance"))
         logger.info(

@@ -80,6 +80,17 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.consolidations = Counter(
+            "shoal_router_consolidation_migrations",
+            "Migrations emptying engines for consolidation this router asked for as the leader, by outcome.",
+            ["outcome"],
+            registry=r,
+        )
+        self.emptying = Gauge(
+            "shoal_router_emptying_engines",
+            "Engines this router, as the leader, is emptying for consolidation (no new requests).",
+            registry=r,
+        )
         self.leader = Gauge(
             "shoal_router_leader",
             "1 while this router holds the lease that lets it issue balancing migrations.",

@@ -248,7 +248,7 @@ def create_app(
         }
         # Ready while some engine can serve, even if Redis is down: dispatch goes on from the
         # last fleet state read (and this router's own counts) until Redis is back.
-        ready = any(view.dispatchable for view in engines.values())
+        ready = any(view.usable for view in engines.values())
         if not ready:
             body["status"] = "unavailable"
         return JSONResponse(body, status_code=200 if ready else 503)

@@ -44,14 +44,15 @@ class EngineView:
     Besides what it is told (``record``, ``report``, ``connected``, and the counts of what this
     router sent), it keeps the numbers dispatch reads on every request, computed again whenever
     one of those changes (a few times per request, against reading them for every engine on
-    every request): ``usable`` (ACTIVE and reachable), ``held`` (requests, see ``requests``),
+    every request): ``usable`` (ACTIVE and reachable), ``dispatchable`` (usable and not being
+    emptied for consolidation), ``held`` (requests, see ``requests``),
     ``room`` (free KV blocks not yet claimed by prompts sent since the report) and ``free``
     (Llumnix's freeness, see ``freeness``).
     """
 
     __slots__ = (
-        "_connected", "_inflight", "_pending_blocks", "_record", "_report", "_sent_since_report",
-        "free", "held", "room", "usable",
+        "_connected", "_emptying", "_inflight", "_pending_blocks", "_record", "_report",
+        "_sent_since_report", "dispatchable", "free", "held", "room", "usable",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +63,7 @@ class EngineView:
         inflight: int = 0,
         connected: bool = True,
         pending_blocks: int = 0,
+        emptying: bool = False,
     ) -> None:
         self._record = record
         self._report = report
@@ -72,13 +74,16 @@ class EngineView:
         self._inflight = inflight
         # Whether this router's ZeroMQ link to the engine is up.
         self._connected = connected
-        self.usable = self.held = self.room = 0
+        # Whether the balancing leader is emptying it (``Keys.emptying``).
+        self._emptying = emptying
+        self.usable = self.dispatchable = self.held = self.room = 0
         self.free = 0.0
         self._derive()
 
     def _derive(self) -> None:
         record, report = self._record, self._report
         self.usable = record.state is ACTIVE and self._connected
+        self.dispatchable = self.usable and not self._emptying
         total = record.kv_blocks_total
         if report is None:  # not reported yet: what this router sent is all it knows
             self.held = max(self._sent_since_report, self._inflight)
@@ -99,6 +104,7 @@ class EngineView:
     sent_since_report: _Input[int] = _Input()
     pending_blocks: _Input[int] = _Input()
     inflight: _Input[int] = _Input()
+    emptying: _Input[bool] = _Input()
 
     @property
     def report(self) -> LoadReport | None:
@@ -116,13 +122,14 @@ class EngineView:
         return self._record.engine_id
 
     @property
-    def dispatchable(self) -> bool:
-        return self.usable
-
-    @property
     def state(self) -> str:
-        """The engine's registered state, or UNREACHABLE while this router's link to it is down."""
-        return str(self._record.state) if self._connected else "UNREACHABLE"
+        """The engine's registered state, UNREACHABLE while this router's link to it is down,
+        or EMPTYING while the balancing leader empties it."""
+        if not self._connected:
+            return "UNREACHABLE"
+        if self._emptying and self.usable:
+            return "EMPTYING"
+        return str(self._record.state)
 
     @property
     def kv_usage(self) -> float:

@@ -16,9 +16,17 @@ slot), so no engine preempts while another idles.
   lone request only moves the load), the leader asks the crowded engine to move one request
   there (``Migrate`` with no request id: the engine picks the one
   with the least KV to copy) with reason ``balance``.
-* **Hysteresis.** Both engines of a balancing move are left alone for ``cooldown_s`` after it
-  ends (their reports must catch up first; no ping-pong), and at most ``max_concurrent`` moves
-  run at once.
+* **Consolidation** (with ``consolidate_below`` set). While a model's KV use would stay under
+  ``consolidate_below`` of the KV of the engines left, the leader marks its least-loaded engine
+  *emptying* (a key in Redis with a short TTL that it renews: every router stops dispatching
+  there) and moves that engine's requests, one at a time, to the fullest engines that still
+  have room, packing them so the emptied engine holds nothing and the autoscaler can remove it
+  (the operator takes the least-loaded engines first). One more engine is marked per check
+  while the condition holds; when the use climbs past ``consolidate_release`` of the engines
+  left, the last one marked goes back to dispatch. Balancing runs among the other engines.
+* **Hysteresis.** Both engines of a move are left alone for ``cooldown_s`` after it ends (their
+  reports must catch up first; no ping-pong; an emptying source may move again at once, its
+  load only falls), and at most ``max_concurrent`` moves run at once.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from redis.exceptions import RedisError
 
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos.records import Keys
 from shoal_router.core.dispatch import EngineView
 from shoal_router.metrics import RouterMetrics
 
@@ -57,7 +66,7 @@ class Lease:
     def __init__(self, client: aioredis.Redis, key: str, holder: str, ttl_s: float) -> None:
         self._client = client
         self._key = key
-        self._holder = holder
+        self.holder = holder
         self._ttl_ms = int(ttl_s * 1000)
         self.held = False
 
@@ -66,9 +75,9 @@ class Lease:
         holder has it now (False, too, when Redis cannot be reached)."""
         try:
             if self.held:
-                self.held = bool(await self._client.eval(_RENEW, 1, self._key, self._holder, self._ttl_ms))
+                self.held = bool(await self._client.eval(_RENEW, 1, self._key, self.holder, self._ttl_ms))
             if not self.held:
-                self.held = bool(await self._client.set(self._key, self._holder, nx=True, px=self._ttl_ms))
+                self.held = bool(await self._client.set(self._key, self.holder, nx=True, px=self._ttl_ms))
         except (RedisError, OSError) as exc:
             logger.warning("cannot reach Redis for the balancing lease: %s", exc)
             self.held = False
@@ -78,7 +87,7 @@ class Lease:
         if self.held:
             self.held = False
             try:
-                await self._client.eval(_RELEASE, 1, self._key, self._holder)
+                await self._client.eval(_RELEASE, 1, self._key, self.holder)
             except (RedisError, OSError):
                 pass  # it expires by itself
 
@@ -93,6 +102,24 @@ class BalancePolicy:
     """An engine that took part in a move is left alone this long after it."""
     max_concurrent: int = 2
     """Balancing moves running at once."""
+    consolidate_below: float = 0.0
+    """Empty an engine while the model's KV use over the engines left stays below this
+    fraction (0: never consolidate)."""
+    consolidate_release: float = 0.7
+    """Give an emptying engine back to dispatch once the KV use over the engines left passes
+    this fraction."""
+
+    def __post_init__(self) -> None:
+        if self.consolidate_below and self.consolidate_release <= self.consolidate_below:
+            raise ValueError("consolidate_release must be above consolidate_below")
+
+
+@dataclass(frozen=True)
+class Move:
+    source: EngineView
+    target: EngineView
+    reason: str
+    """``balance`` or ``consolidate`` (the migration record and metrics carry it)."""
 
 
 def relative_freeness(view: EngineView) -> float:
@@ -101,28 +128,59 @@ def relative_freeness(view: EngineView) -> float:
     return view.free / total
 
 
+def _kv_used(view: EngineView) -> int:
+    return view.report.kv_blocks_used if view.report is not None else 0
+
+
+def _kv_total(view: EngineView) -> int:
+    report = view.report
+    free = report.kv_blocks_free if report is not None else 0
+    return view.record.kv_blocks_total or _kv_used(view) + free
+
+
+def _load(engines: list[EngineView], over: list[EngineView]) -> float:
+    """The load of ``engines`` if ``over`` alone carried it: the larger of the KV blocks in use
+    and the requests held (running and waiting), each over what ``over`` has (KV blocks, batch
+    slots); requests count only where engines say their batch size."""
+    kv = sum(_kv_total(v) for v in over)
+    load = sum(_kv_used(v) for v in engines) / kv if kv else float("inf")
+    slots = sum(v.record.max_num_seqs for v in over)
+    if slots and all(v.record.max_num_seqs for v in engines):
+        load = max(load, sum(v.requests() for v in engines) / slots)
+    return load
+
+
 @dataclass
 class Balancer:
-    """Decides the balancing moves (no IO): ``decide`` is called once per check."""
+    """Decides the moves (no IO): ``decide`` is called once per check."""
 
     policy: BalancePolicy = field(default_factory=BalancePolicy)
     _streak: dict[tuple[str, str], int] = field(default_factory=dict)
     _resting_until: dict[str, float] = field(default_factory=dict)
     in_flight: int = 0
+    emptying: list[str] = field(default_factory=list)
+    """Engines being emptied, in the order they were marked."""
 
-    def decide(self, views: Iterable[EngineView], now: float) -> list[tuple[EngineView, EngineView]]:
-        """The (source, target) moves to start now. Within each model the least free engine is
-        paired with the most free, the second least with the second most, and so on while the
-        lead passes the threshold, as far as ``max_concurrent`` allows."""
+    def decide(self, views: Iterable[EngineView], now: float) -> list[Move]:
+        """The moves to start now, at most ``max_concurrent`` running in all: first those
+        emptying the engines marked for consolidation, then balancing ones among the others,
+        within each model the least free engine paired with the most free, the second least
+        with the second most, and so on while the lead passes the threshold."""
         by_model: dict[str, list[EngineView]] = {}
         for view in views:
             if view.usable and view.report is not None and view.record.control_address:
                 by_model.setdefault(view.record.model, []).append(view)
-        moves: list[tuple[EngineView, EngineView]] = []
+        present = {view.engine_id for engines in by_model.values() for view in engines}
+        self.emptying = [engine_id for engine_id in self.emptying if engine_id in present]
+        moves: list[Move] = []
         streaks: dict[tuple[str, str], int] = {}
         for engines in by_model.values():
+            if self.policy.consolidate_below:
+                self._mark(engines)
             awake = [v for v in engines if self._resting_until.get(v.engine_id, 0.0) <= now]
-            ranked = sorted(awake, key=relative_freeness)
+            staying = [v for v in awake if v.engine_id not in self.emptying]
+            moves += self._consolidate(awake, staying, len(moves))
+            ranked = sorted(staying, key=relative_freeness)
             low, high = 0, len(ranked) - 1
             while low < high and self.in_flight + len(moves) < self.policy.max_concurrent:
                 source, target = ranked[low], ranked[high]
@@ -136,25 +194,67 @@ class Balancer:
                 pair = (source.engine_id, target.engine_id)
                 streaks[pair] = self._streak.get(pair, 0) + 1
                 if streaks[pair] >= self.policy.patience:
-                    moves.append((source, target))
+                    moves.append(Move(source, target, "balance"))
                     streaks.pop(pair)
         self._streak = streaks
         return moves
 
-    def started(self, source: EngineView, target: EngineView) -> None:
+    def _mark(self, engines: list[EngineView]) -> None:
+        """Mark one more engine of a model for emptying, or give the last one back, by the
+        model's load over the engines that would stay."""
+        marked = [v for v in engines if v.engine_id in self.emptying]
+        staying = [v for v in engines if v.engine_id not in self.emptying]
+        if marked and _load(engines, staying) > self.policy.consolidate_release:
+            self.emptying.remove(marked[-1].engine_id)
+            return
+        if len(staying) < 2:
+            return
+        lightest = min(staying, key=lambda v: (v.requests(), _kv_used(v), v.engine_id))
+        rest = [v for v in staying if v is not lightest]
+        if _load(engines, rest) <= self.policy.consolidate_below:
+            self.emptying.append(lightest.engine_id)
+
+    def _consolidate(self, awake: list[EngineView], staying: list[EngineView], planned: int) -> list[Move]:
+        """Moves off the emptying engines, each to the least free engine that still has room
+        (a freeness above the threshold and a free batch slot), so requests pack onto as few
+        engines as they fit."""
+        moves: list[Move] = []
+        targets = [
+            v
+            for v in staying
+            if relative_freeness(v) > self.policy.threshold
+            and (not v.record.max_num_seqs or v.requests() < v.record.max_num_seqs)
+        ]
+        for source in awake:
+            if (
+                source.engine_id not in self.emptying
+                or source.report is None
+                or not source.report.num_running
+            ):
+                continue
+            if not targets or self.in_flight + planned + len(moves) >= self.policy.max_concurrent:
+                break
+            target = min(targets, key=relative_freeness)
+            targets.remove(target)
+            moves.append(Move(source, target, "consolidate"))
+        return moves
+
+    def started(self, move: Move) -> None:
         self.in_flight += 1
-        for view in (source, target):
+        for view in (move.source, move.target):
             self._resting_until[view.engine_id] = float("inf")  # until the move ends
 
-    def ended(self, source: EngineView, target: EngineView, now: float) -> None:
+    def ended(self, move: Move, now: float) -> None:
         self.in_flight -= 1
-        for view in (source, target):
+        for view in (move.source, move.target):
             self._resting_until[view.engine_id] = now + self.policy.cooldown_s
+        if move.source.engine_id in self.emptying:
+            self._resting_until[move.source.engine_id] = now  # its load only falls
 
 
 class Rebalancer:
     """Runs the policy as the cluster's leader: holds the lease, checks every ``interval_s``,
-    and calls the crowded engine's ``Migrate``."""
+    keeps the emptying marks in Redis, and calls the source engine's ``Migrate``."""
 
     def __init__(
         self,
@@ -164,6 +264,8 @@ class Rebalancer:
         policy: BalancePolicy | None = None,
         interval_s: float = 1.0,
         timeout_s: float = 60.0,
+        client: aioredis.Redis | None = None,
+        keys: Keys | None = None,
     ) -> None:
         self._lease = lease
         self._views = views
@@ -171,6 +273,11 @@ class Rebalancer:
         self.balancer = Balancer(policy or BalancePolicy())
         self._interval_s = interval_s
         self._timeout_s = timeout_s
+        self._client = client
+        self._keys = keys
+        # Marks outlive a few missed renewals, and not much more once their leader is gone.
+        self._mark_ttl_ms = int(max(3.0, 3 * interval_s) * 1000)
+        self._marked: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -180,31 +287,55 @@ class Rebalancer:
                 leader = await self._lease.hold()
                 self._metrics.leader.set(1 if leader else 0)
                 if leader:
-                    for source, target in self.balancer.decide(self._views(), time.monotonic()):
-                        self.balancer.started(source, target)
-                        task = asyncio.create_task(self._move(source, target), name="balance-move")
+                    for move in self.balancer.decide(self._views(), time.monotonic()):
+                        self.balancer.started(move)
+                        task = asyncio.create_task(self._move(move), name=f"{move.reason}-move")
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
+                    await self._publish_marks(self.balancer.emptying)
+                elif self.balancer.emptying:
+                    self.balancer.emptying.clear()  # the new leader decides afresh
+                    self._marked.clear()
+                self._metrics.emptying.set(len(self.balancer.emptying) if leader else 0)
                 await asyncio.sleep(self._interval_s)
         finally:
             for task in list(self._tasks):
                 task.cancel()
+            await self._publish_marks([])
             await self._lease.release()
             for channel in self._channels.values():
                 await channel.close()
 
-    async def _move(self, source: EngineView, target: EngineView) -> None:
+    async def _publish_marks(self, emptying: list[str]) -> None:
+        """Renew the emptying marks in Redis and remove those given back."""
+        if self._client is None or self._keys is None or not (emptying or self._marked):
+            return
+        keys = self._keys
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for engine_id in emptying:
+                    pipe.set(keys.emptying(engine_id), self._lease.holder, px=self._mark_ttl_ms)
+                for engine_id in self._marked - set(emptying):
+                    pipe.delete(keys.emptying(engine_id))
+                await pipe.execute()
+            self._marked = set(emptying)
+        except (RedisError, OSError) as exc:
+            logger.warning("cannot write the emptying marks: %s", exc)
+
+    async def _move(self, move: Move) -> None:
+        source, target = move.source, move.target
         address = source.record.control_address
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
-        request = pb.MigrateRequest(target_engine_id=target.engine_id, reason="balance")
+        request = pb.MigrateRequest(target_engine_id=target.engine_id, reason=move.reason)
         outcome = "FAILED"
         try:
             result = await pb_grpc.EngineControlStub(channel).Migrate(request, timeout=self._timeout_s)
             outcome = pb.Outcome.Name(result.outcome)
             logger.info(
-                "balance: %s -> %s, request %s: %s %s",
+                "%s: %s -> %s, request %s: %s %s",
+                move.reason,
                 source.engine_id,
                 target.engine_id,
                 result.request_id or "-",
@@ -212,7 +343,10 @@ class Rebalancer:
                 result.detail,
             )
         except grpc.aio.AioRpcError as exc:
-            logger.warning("balance: %s unreachable: %s", source.engine_id, exc.details())
+            logger.warning("%s: %s unreachable: %s", move.reason, source.engine_id, exc.details())
         finally:
-            self._metrics.balance_migrations.labels(outcome).inc()
-            self.balancer.ended(source, target, time.monotonic())
+            counter = (
+                self._metrics.balance_migrations if move.reason == "balance" else self._metrics.consolidations
+            )
+            counter.labels(outcome).inc()
+            self.balancer.ended(move, time.monotonic())

@@ -76,10 +76,17 @@ Filter = Callable[[Ask, list[EngineView]], list[EngineView]]
 
 
 def dispatchable(ask: Ask, views: list[EngineView]) -> list[EngineView]:
-    """ACTIVE engines this router reaches that have not failed this request."""
+    """ACTIVE engines this router reaches, not being emptied (unless only those are left), that
+    have not failed this request."""
     exclude = ask.exclude
     if not exclude:
-        return [v for v in views if v.usable]
+        found = [v for v in views if v.dispatchable]
+    else:
+        found = [v for v in views if v.dispatchable and v.engine_id not in exclude]
+    if found:
+        return found
+    # Only engines being emptied are left (the others unreachable from here, say): better one of
+    # them than no answer.
     return [v for v in views if v.usable and v.engine_id not in exclude]
 
 

@@ -1,10 +1,11 @@
 """The router's view of the fleet, read from Redis every ``fleet_poll_interval_s``.
 
-Each poll is two round trips: the engine index (a SET), then every engine's record and load
-report in one pipeline. An engine whose record has expired (no heartbeat within its TTL) or says
-DEAD is lost: its socket closes and its requests go on on other engines. A DRAINING engine keeps
-its requests but gets no new ones. Nothing on the token path waits on Redis; if Redis cannot be
-read, the last view stays in force and the next poll tries again.
+Each poll is two round trips: the engine index (a SET), then every engine's record, load report
+and emptying mark (``Keys.emptying``: the balancing leader is emptying it) in one pipeline. An
+engine whose record has expired (no heartbeat within its TTL) or says DEAD is lost: its socket
+closes and its requests go on on other engines. A DRAINING engine keeps its requests but gets no
+new ones, and so does an EMPTYING one (its requests move away). Nothing on the token path waits
+on Redis; if Redis cannot be read, the last view stays in force and the next poll tries again.
 
 A Redis that restarted empty looks like every engine's record expiring at once. The first round
 trip also sets the cluster's ``epoch`` key if it is missing; when it was, Redis lost its data,
@@ -84,12 +85,13 @@ class FleetView:
             for engine_id in ids:
                 pipe.get(self._keys.engine(engine_id))
                 pipe.get(self._keys.load(engine_id))
+                pipe.exists(self._keys.emptying(engine_id))
             values = await pipe.execute()
         seen: set[str] = set()
         dead: set[str] = set()
         stale: list[str] = []
         for i, engine_id in enumerate(ids):
-            raw_record, raw_report = values[2 * i], values[2 * i + 1]
+            raw_record, raw_report, emptying = values[3 * i : 3 * i + 3]
             if raw_record is None:
                 stale.append(engine_id)
                 continue
@@ -111,7 +113,7 @@ class FleetView:
                 dead.add(engine_id)
                 continue
             seen.add(engine_id)
-            self._upsert(record, report)
+            self._upsert(record, report, bool(emptying))
         # Right after Redis lost its data, a missing record is no sign of death (DEAD still is).
         in_grace = time.monotonic() - self._restarted_at < self._restart_grace_s
         for engine_id in [e for e in self.engines if e not in seen and (e in dead or not in_grace)]:
@@ -122,7 +124,7 @@ class FleetView:
             # Index entries whose record expired; the engine re-adds itself if it comes back.
             await self._client.srem(self._keys.engines, *stale)
 
-    def _upsert(self, record: EngineRecord, report: LoadReport | None) -> None:
+    def _upsert(self, record: EngineRecord, report: LoadReport | None, emptying: bool = False) -> None:
         view = self.engines.get(record.engine_id)
         if view is None or view.record.zmq_address != record.zmq_address:
             if view is not None:
@@ -133,6 +135,8 @@ class FleetView:
                 "engine %s joined: model %s at %s", record.engine_id, record.model, record.zmq_address
             )
         view.record = record
+        if view.emptying != emptying:
+            view.emptying = emptying
         if report is not None:
             view.update_report(report)
 
