@@ -102,8 +102,8 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         "",
         "![engines freed and decode latency against rate](img/consolidate.png)",
         "",
-        "| req/s | policy | empty engines | TTFT p50 (s) | TTFT p99 (s) | decode p50 (ms) | decode p99 (ms) | "
-        "preemptions | moves | sustained |",
+        "| req/s | policy | empty engines | TTFT p50 (s) | TTFT p99 (s) | decode p50 (ms) | "
+        "decode p99 (ms) | preemptions | moves | sustained |",
         "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for r in rows:
