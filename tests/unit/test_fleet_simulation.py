@@ -62,3 +62,28 @@ def test_balancing_moves_requests_and_each_move_stalls_for_the_last_blocks_only(
     # few blocks, never a whole context (up to 256 blocks here).
     assert 2.0 < moved["stall_p99_ms"] < 10.0
     assert _run("least_load")["migrations"] == 0
+
+
+def test_consolidation_at_light_load_empties_engines_and_every_request_still_completes() -> None:
+    light = Workload(rate=1.5, requests=200, seed=5)
+    packing = BalancePolicy(
+        threshold=0.01,
+        patience=1,
+        cooldown_s=1.0,
+        max_concurrent=4,
+        consolidate_below=0.4,
+        consolidate_release=0.7,
+    )
+
+    def run(policy: BalancePolicy) -> tuple[dict[str, float], int]:
+        fleet = Fleet(engines=4, sim=SIM, migrate=True, balance=policy, balance_interval_s=0.2)
+        result = Simulation(fleet, light).run()
+        return result.summary(), result.tokens
+
+    (spread, spread_tokens), (packed, packed_tokens) = run(BALANCE), run(packing)
+    assert packed == run(packing)[0]  # deterministic for the seed
+    assert spread["empty_engines"] < 1.0 < packed["empty_engines"]
+    assert spread_tokens == packed_tokens == sum(o for _, _, o in light.draw())
+    # Packed engines run bigger batches: decoding is slower, but nothing queues without bound.
+    assert packed["decode_p50_ms"] > spread["decode_p50_ms"]
+    assert packed["steady_tokens_per_s"] >= 0.9 * packed["offered_tokens_per_s"]
