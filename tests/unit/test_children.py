@@ -268,6 +268,16 @@ def test_the_routers_scheduler_and_balancing_come_from_the_spec() -> None:
         "args"
     ]
     assert args[args.index("--scheduler") + 1] == "prefix_affinity=2,least_load=1" and "--balance" in args
+    assert "--consolidate-below" not in args
+    obj["spec"]["router"] = {"balance": True, "consolidateBelow": 0.4}
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
+    args = one(children.render(cluster), "Deployment", "router")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert args[args.index("--consolidate-below") + 1] == "0.4"
+    obj["spec"]["router"] = {"balance": True, "consolidateBelow": 0.9}  # past the release point
+    with pytest.raises(ValueError, match="consolidateBelow"):
+        InferenceClusterSpec.model_validate(obj["spec"])
     for bad in ("fastest", "round_robin,least_load", "least_load=-1"):
         obj["spec"]["router"] = {"scheduler": bad}
         with pytest.raises(ValueError, match="scheduler"):

@@ -321,6 +321,8 @@ def router_deployment(cluster: Cluster) -> Manifest:
     ]  # fmt: skip
     if router.balance:
         args.append("--balance")
+        if router.consolidate_below:
+            args += ["--consolidate-below", f"{router.consolidate_below:g}"]
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     for flag, secret in (

@@ -189,6 +189,16 @@ class RouterSpec(_Spec):
         description="The routers elect a leader (a lease in Redis) that moves running requests from "
         "crowded engines to free ones by live migration.",
     )
+    consolidate_below: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=0.65,
+        alias="consolidateBelow",
+        description="With balance: while the load (KV blocks and batch slots in use) over the engines "
+        "that would be left stays below this fraction, the leader empties the least-loaded engine "
+        "onto the others, so a scale-down removes it without moving anything; 0 turns it off. It "
+        "goes back to serving above 0.7.",
+    )
 
 
 class TokenizerSpec(_Spec):

@@ -98,7 +98,7 @@ class RouterMetrics:
         )
         self.engines = Gauge(
             "shoal_router_engines",
-            "Engines seen in Redis, by model and state.",
+            "Engines seen in Redis, by model and state (ACTIVE, DRAINING, EMPTYING, UNREACHABLE).",
             ["model", "state"],
             registry=r,
         )
@@ -211,7 +211,7 @@ class RouterMetrics:
             gauge.clear()  # engines that left take their series with them
         for view in views:
             record, report = view.record, view.report
-            self.engines.labels(record.model, str(record.state)).inc()
+            self.engines.labels(record.model, view.state).inc()
             self.engine_inflight.labels(record.engine_id, record.model).set(view.inflight)
             if report is None:
                 continue
