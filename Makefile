@@ -124,6 +124,10 @@ bench-fleet: setup ## Round-robin vs least-load vs migration on 16 to 256 simula
 bench-consolidate: setup ## Engines freed by consolidation and its latency cost, on simulated engines; writes docs/benchmarks.md
 	$(PY) bench/consolidate.py $(BENCH_ARGS)
 
+.PHONY: bench-priority
+bench-priority: setup ## Decode latency of priority requests with and without KV headroom, on simulated engines; writes docs/benchmarks.md
+	$(PY) bench/priority.py $(BENCH_ARGS)
+
 .PHONY: bench-relay
 bench-relay: setup ## Tokens/s and router CPU per token through one and two routers (simulated engines); writes docs/benchmarks.md
 	$(PY) bench/relay.py $(BENCH_ARGS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -138,3 +140,45 @@ def test_router_metrics_count_requests(tiny_fleet: RunningFleet) -> None:
     text = httpx.get(tiny_fleet.base_url + "/metrics", timeout=10).text
     assert 'shoal_router_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert "shoal_router_time_to_first_token_seconds_count" in text
+
+
+def test_a_priority_request_answers_alike_and_its_engine_keeps_headroom_for_it(
+    tiny_fleet: RunningFleet,
+) -> None:
+    """``priority`` (vLLM's extension) reaches the engine: under FCFS scheduling the output is
+    the same, and while the request runs its engine's load report counts KV headroom for it
+    (``--priority-headroom``), which dispatch and balancing read as used."""
+    c = client(tiny_fleet)
+    kwargs = {
+        "model": tiny_fleet.model,
+        "prompt": "a priority request",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    plain = c.completions.create(**kwargs, extra_body={"ignore_eos": True, "return_token_ids": True})  # type: ignore[call-overload]
+    urgent = c.completions.create(
+        **kwargs,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "return_token_ids": True, "priority": -1},
+    )
+    assert urgent.choices[0].token_ids == plain.choices[0].token_ids  # type: ignore[attr-defined]
+
+    body = {**kwargs, "max_tokens": 6000, "stream": True, "ignore_eos": True, "priority": -1}
+    with httpx.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        engine = response.headers["X-Shoal-Engine"]
+        deadline = time.monotonic() + 10
+
+        def reserved() -> int:
+            report = tiny_fleet.load_report(engine)
+            return report.kv_blocks_reserved if report else 0
+
+        while not reserved():
+            assert time.monotonic() < deadline, "the engine's load report kept no headroom"
+            time.sleep(0.05)
+        record = tiny_fleet.engine_record(engine)
+        assert record is not None and reserved() == round(0.25 * record.kv_blocks_total)
+    # The client left: the request is aborted and the headroom goes with it.
+    deadline = time.monotonic() + 10
+    while reserved():
+        assert time.monotonic() < deadline, "the headroom outlived the request"
+        time.sleep(0.05)

@@ -128,6 +128,8 @@ def test_gpu_engines_ask_for_gpus_and_the_router_gets_its_ingress() -> None:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "VLLM_CPU_KVCACHE_SPACE" not in env_of(container)
     assert container["args"][container["args"].index("--kv-transport") + 1] == "nccl"
+    assert container["args"][container["args"].index("--scheduling-policy") + 1] == "priority"
+    assert container["args"][container["args"].index("--priority-headroom") + 1] == "0.25"
     rule = one(rendered, "Ingress", "router")["spec"]["rules"][0]
     assert rule["host"] == "llm.example.internal"
     assert rule["http"]["paths"][0]["backend"]["service"]["name"] == "llama-8b-router"

@@ -46,6 +46,7 @@ class FakeBackend:
         self.queues: dict[str, asyncio.Queue[object]] = {}
         self.started: dict[str, asyncio.Event] = {}
         self.generate_calls: list[tuple[str, list[int], SamplingOptions]] = []
+        self.priorities: dict[str, int] = {}
         self.cancelled: list[str] = []
 
     def _queue(self, request_id: str) -> asyncio.Queue[object]:
@@ -68,8 +69,10 @@ class FakeBackend:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         self.generate_calls.append((request_id, prompt_token_ids, sampling))
+        self.priorities[request_id] = priority
         queue = self._queue(request_id)
         started = self._started(request_id)
 
@@ -634,3 +637,36 @@ async def test_the_cheapest_request_to_move_has_produced_a_token_and_has_tokens_
     finally:
         await svc.drain(0)
         backend.shutdown()
+
+
+async def test_a_move_takes_other_requests_before_a_priority_one_and_the_engine_counts_them(
+    send: FakeSend, metrics: EngineMetrics, fatal: list[BaseException]
+) -> None:
+    """Moves make room for priority requests (priority below 0): the engine offers its other
+    requests first, even ones with more KV to copy, and counts the priority ones for its load
+    report's headroom."""
+    backend = SimulatedBackend(SimConfig(speed=20.0, max_num_seqs=2))
+    await backend.start()
+    svc = EngineService(ENGINE_ID, backend, send, metrics, fatal.append)
+    try:
+        urgent = AddRequest("urgent", [7, 8, 9], SamplingOptions(max_tokens=2000), ROUTER_A, priority=-1)
+        normal = AddRequest("normal", list(range(100)), SamplingOptions(max_tokens=2000), ROUTER_A)
+        for add in (urgent, normal):
+            svc.on_request(add)
+        assert svc.num_priority == 1
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while not all((svc.tokens_of(rid) or 0) > size for rid, size in (("normal", 100), ("urgent", 3))):
+            assert asyncio.get_running_loop().time() < deadline, "the requests produced no token"
+            await asyncio.sleep(0.005)
+        assert svc.cheapest_to_move(min_left=16) == "normal"
+    finally:
+        await svc.drain(0)
+        backend.shutdown()
+    assert svc.num_priority == 0
+
+
+async def test_the_request_priority_reaches_the_backend(service: EngineService, backend: FakeBackend) -> None:
+    service.on_request(AddRequest("p", [1, 2], SamplingOptions(max_tokens=4), ROUTER_A, priority=-5))
+    service.on_request(add("q"))
+    await backend.wait_started("p", "q")
+    assert backend.priorities == {"p": -5, "q": 0}

@@ -68,6 +68,18 @@ def test_add_request_round_trips(
     assert decoded.sampling.stop == sampling.stop
 
 
+def test_priority_travels_and_an_add_without_it_decodes_as_priority_zero(
+    encoder: RouterRequestEncoder, decoder: EngineRequestDecoder
+) -> None:
+    urgent = AddRequest("req-p", [1], SamplingOptions(max_tokens=1), "tcp://r:1", generation=2, priority=-3)
+    decoded = decoder.decode(*encoder.add(urgent))
+    assert isinstance(decoded, AddRequest) and decoded.priority == -3 and decoded.generation == 2
+    # A router that predates the field sends the array without it: the default applies.
+    older = msgspec.msgpack.encode(["req-o", [1], [1], "tcp://r:1", [], 2])
+    decoded = decoder.decode(FrameType.ADD.value, older)
+    assert isinstance(decoded, AddRequest) and decoded.priority == 0 and decoded.generation == 2
+
+
 def test_add_request_decodes_from_memoryview(
     encoder: RouterRequestEncoder, decoder: EngineRequestDecoder
 ) -> None:

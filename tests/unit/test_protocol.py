@@ -208,3 +208,10 @@ def test_chat_message_rejects_non_text_parts() -> None:
 def test_chat_message_rejects_unknown_role() -> None:
     with pytest.raises(ValidationError):
         ChatMessage.model_validate({"role": "wizard", "content": "hi"})
+
+
+def test_priority_is_vllms_extension_and_bounded() -> None:
+    assert completion().priority == 0
+    assert chat(priority=-10).priority == -10
+    with pytest.raises(ValidationError, match="priority"):
+        completion(priority=2**31)

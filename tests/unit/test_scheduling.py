@@ -35,6 +35,7 @@ def view(
     pending: int = 0,
     inflight: int = 0,
     state: EngineState = EngineState.ACTIVE,
+    reserved: int = 0,
 ) -> EngineView:
     """An engine of ``total`` KV blocks; ``running=None``: no load report read yet."""
     record = EngineRecord(
@@ -45,7 +46,7 @@ def view(
     if running is not None:
         report = LoadReport(
             engine_id=engine_id, seq=1, time=0.0, num_running=running, num_waiting=waiting,
-            kv_blocks_used=kv_used, kv_blocks_free=total - kv_used,
+            kv_blocks_used=kv_used, kv_blocks_free=total - kv_used, kv_blocks_reserved=reserved,
         )  # fmt: skip
     return EngineView(record, report, sent_since_report=sent, inflight=inflight, pending_blocks=pending)
 
@@ -123,6 +124,18 @@ def test_free_memory_can_outweigh_a_request_more() -> None:
     crowded = view("a", running=1, kv_used=900)  # 100 free for 2 slots
     roomy = view("b", running=2, kv_used=100)  # 900 free for 3 slots
     assert pick(Scheduler(), [crowded, roomy]) == "b"
+
+
+def test_headroom_for_priority_requests_counts_as_used() -> None:
+    """Llumnix's virtual usage: an engine holding priority requests reports KV headroom for them,
+    which dispatch counts as used (room for a prompt stays physical), so new requests go
+    elsewhere and the priority requests decode in a smaller batch."""
+    other = view("b", running=2, kv_used=200)
+    assert pick(Scheduler(), [view("a", running=1, kv_used=100), other]) == "a"  # no headroom
+    holding = view("a", running=1, kv_used=100, reserved=500)
+    assert freeness(holding) == pytest.approx((1000 - 100 - 500) / 2)
+    assert holding.room == 900
+    assert pick(Scheduler(), [holding, other]) == "b"
 
 
 def test_equal_engines_share_the_picks() -> None:

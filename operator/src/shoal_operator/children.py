@@ -230,6 +230,8 @@ def engine_deployment(cluster: Cluster) -> Manifest:
         "--dtype", spec.model.dtype,
         "--max-model-len", str(spec.model.max_model_len),
         "--max-num-seqs", str(engine.max_num_seqs),
+        "--priority-headroom", f"{engine.priority_headroom:g}",
+        "--scheduling-policy", engine.scheduling_policy,
         "--drain-timeout", str(spec.drain.deadline_seconds),
         "--migration",
         "--control-port", str(ENGINE_CONTROL_PORT),

@@ -137,6 +137,20 @@ class EngineSpec(_Spec):
     max_num_seqs: int = Field(
         default=64, alias="maxNumSeqs", ge=1, le=4096, description="Most requests one engine batches."
     )
+    priority_headroom: float = Field(
+        default=0.25,
+        alias="priorityHeadroom",
+        ge=0.0,
+        le=1.0,
+        description="Fraction of an engine's KV cache routers count as used for each priority request "
+        "(priority below 0) it holds, so other requests go and move elsewhere.",
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        default="fcfs",
+        alias="schedulingPolicy",
+        description="vLLM's scheduling policy: fcfs, or priority (lower priority values first, "
+        "preempting higher ones).",
+    )
 
 
 class IngressSpec(_Spec):

@@ -70,6 +70,9 @@ class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     output_token_ids: list[int] = []
     # Ownership generation: grows by one each time the request moves; pieces carry it.
     generation: int = 0
+    # vLLM's convention: lower values are served first; below 0 marks a priority request, for
+    # which the engine keeps KV headroom and whose neighbours migrations move first.
+    priority: int = 0
 
 
 class AbortRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -70,6 +70,10 @@ class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):
     kv_blocks_free: int = 0
     # Mean engine step time over the last report period, in milliseconds.
     step_time_ms: float = 0.0
+    # KV blocks routers should count as used on top of ``kv_blocks_used``: headroom the engine
+    # keeps for its priority requests (Llumnix's virtual usage), so dispatch sends it less and
+    # balancing moves other requests away.
+    kv_blocks_reserved: int = 0
 
 
 class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):

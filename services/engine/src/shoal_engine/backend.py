@@ -57,10 +57,12 @@ class EngineBackend(Protocol):
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         """Stream a request's output. Cancelling the iteration, or closing the stream early,
         aborts the request.
-        ``kv_params`` are for the KV connector (a migrated request's staged KV)."""
+        ``kv_params`` are for the KV connector (a migrated request's staged KV); ``priority``
+        orders requests where the backend schedules by priority (lower first)."""
         ...
 
     def load(self) -> BackendLoad:

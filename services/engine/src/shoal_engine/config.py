@@ -56,6 +56,15 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)
     """Requests vLLM runs in one batch; more wait in its queue."""
 
+    priority_headroom: float = Field(default=0.25, ge=0.0, le=1.0)
+    """Fraction of the KV cache the engine asks routers to count as used for each priority
+    request it holds (priority below 0): dispatch sends it less and balancing moves its other
+    requests away, so priority requests decode in smaller batches (Llumnix's virtual usage)."""
+
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """vLLM's scheduling policy. ``priority`` passes each request's priority to vLLM, which then
+    runs lower values first and preempts higher ones for them."""
+
     heartbeat_ttl_s: float = Field(default=3.0, gt=0.2)
     """The engine's Redis record expires this long after its last heartbeat: routers stop
     dispatching to an engine that died within this time."""

@@ -65,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--http-port", type=int, default=8100)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument(
+        "--priority-headroom",
+        type=float,
+        default=0.25,
+        help="fraction of the KV cache counted as used per priority request (virtual usage)",
+    )
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
@@ -100,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         http_port=args.http_port,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        priority_headroom=args.priority_headroom,
+        scheduling_policy=args.scheduling_policy,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
         executor_backend=args.executor_backend,
@@ -263,6 +272,10 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             kv_blocks_used=used,
             kv_blocks_free=max(info.kv_blocks_total - used, 0),
             step_time_ms=load.step_time_ms,
+            kv_blocks_reserved=min(
+                info.kv_blocks_total,
+                round(config.priority_headroom * info.kv_blocks_total * service.num_priority),
+            ),
         )
 
     redis_client = state_client(config.redis_url, config.redis_timeout_s)

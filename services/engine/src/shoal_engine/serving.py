@@ -140,16 +140,24 @@ class EngineService:
     def cheapest_to_move(self, min_left: int) -> str | None:
         """The running request a balancing migration should move: of those that produced a
         token here (their KV exists) and have at least ``min_left`` tokens to go, the one with
-        the fewest tokens (the least KV to copy). None when no request qualifies."""
-        best: tuple[int, str] | None = None
+        the fewest tokens (the least KV to copy), a request that is not a priority request
+        before any that is (moves make room for priority requests). None when no request
+        qualifies."""
+        best: tuple[bool, int, str] | None = None
         for request_id, running in self._running.items():
             if running.migrating or running.produced < 1:
                 continue
             tokens = len(running.add.prompt_token_ids) + len(running.output_ids)
             limit = self.max_tokens_of(request_id) or tokens
-            if limit - tokens >= min_left and (best is None or tokens < best[0]):
-                best = (tokens, request_id)
-        return None if best is None else best[1]
+            candidate = (running.add.priority < 0, tokens, request_id)
+            if limit - tokens >= min_left and (best is None or candidate < best):
+                best = candidate
+        return None if best is None else best[2]
+
+    @property
+    def num_priority(self) -> int:
+        """Priority requests (priority below 0) the engine holds."""
+        return sum(1 for running in self._running.values() if running.add.priority < 0)
 
     def max_tokens_of(self, request_id: str) -> int | None:
         running = self._running.get(request_id)
@@ -257,7 +265,7 @@ class EngineService:
             sampling = msgspec.structs.replace(
                 sampling, max_tokens=sampling.max_tokens - len(add.output_token_ids)
             )
-        stream = self._backend.generate(add.request_id, prompt, sampling, running.kv_params)
+        stream = self._backend.generate(add.request_id, prompt, sampling, running.kv_params, add.priority)
         async for out in stream:
             piece = RequestPiece(
                 add.request_id,

@@ -361,7 +361,10 @@ class SimulatedBackend:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
+        # ``priority`` is not used: the simulated batch admits first come, first served, as
+        # vLLM's FCFS policy does.
         if kv_params:
             raise BackendRequestError("the simulated engine does not take a migrated request's KV")
         if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:

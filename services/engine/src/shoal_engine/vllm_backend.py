@@ -113,6 +113,7 @@ class VllmBackend:
             enable_log_requests=False,
             block_size=self._config.block_size,
             kv_transfer_config=self._kv_transfer_config(),
+            scheduling_policy=self._config.scheduling_policy,
         )
         load = self._load
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)])
@@ -129,8 +130,12 @@ class VllmBackend:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         assert self._llm is not None, "start() first"
+        # vLLM refuses a priority unless it schedules by priority; under FCFS the router-side
+        # headroom still applies.
+        priority = priority if self._config.scheduling_policy == "priority" else 0
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         try:
             # SamplingParams validates its values: a ValueError here is the request's fault.
@@ -139,7 +144,7 @@ class VllmBackend:
                 # The KV connector knows requests by Shoal's id (vLLM adds a suffix to its own).
                 shoal = {"id": request_id, **(kv_params or {})}
                 params.extra_args = {"kv_transfer_params": {PARAMS_KEY: shoal}}
-            outputs = self._llm.generate(prompt, params, request_id)
+            outputs = self._llm.generate(prompt, params, request_id, priority=priority)
             try:
                 async for out in outputs:
                     completion = out.outputs[0]

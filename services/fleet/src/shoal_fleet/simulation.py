@@ -55,6 +55,14 @@ class Workload:
     output_sigma: float = 0.8
     max_model_len: int = 4096
     seed: int = 0
+    priority_share: float = 0.0
+    """The share of requests that are priority requests (priority below 0)."""
+
+    def priorities(self) -> list[bool]:
+        """Whether each request (by arrival) is a priority request; drawn apart from the lengths,
+        so the same seed gives the same requests with any share."""
+        rng = random.Random(self.seed + 1)
+        return [rng.random() < self.priority_share for _ in range(self.requests)]
 
     def draw(self) -> list[tuple[float, int, int]]:
         """(arrival time, prompt tokens, output tokens) of each request, by arrival."""
@@ -83,6 +91,9 @@ class Fleet:
     """Gigabytes per second between two engines' KV caches."""
     block_bytes: int = 16 * 512 * 1024
     """Bytes of one KV block (LLaMA-2-7B in fp16: 512 KiB per token, 16 tokens)."""
+    priority_headroom: float = 0.0
+    """Fraction of an engine's KV cache counted as used per priority request it holds (the
+    engines' ``--priority-headroom``)."""
     rpc_ms: float = 2.0
     """One control call (prepare, commit) between engines."""
     max_stages: int = 3
@@ -100,6 +111,7 @@ class _Tracked:
     preempted_at: float = -1.0
     preemption_loss: float = 0.0
     moving: bool = False
+    priority: bool = False
 
 
 @dataclass
@@ -122,6 +134,9 @@ class Result:
     empty_engines: float = 0.0
     """Engines holding no request, on average over the second half of the arrival window (load
     reports' view): what a scale-down could remove without moving anything."""
+    priority_ttft: list[float] = field(default_factory=list)
+    priority_decode: list[float] = field(default_factory=list)
+    """The same as ``ttft`` and ``decode``, for the priority requests alone (in both lists)."""
 
     @staticmethod
     def percentile(values: list[float], q: float) -> float:
@@ -144,7 +159,20 @@ class Result:
             "migrations": self.migrations,
             "stall_p99_ms": p(self.stall_ms, 99),
             "empty_engines": self.empty_engines,
+            **(
+                {
+                    "priority_ttft_p99_s": p(self.priority_ttft, 99),
+                    "priority_decode_p50_ms": p(self.priority_decode, 50) * 1000,
+                    "priority_decode_p99_ms": p(self.priority_decode, 99) * 1000,
+                }
+                if self.priority_ttft
+                else {}
+            ),
         }
+
+
+def _decode(tracked: list[_Tracked]) -> list[float]:
+    return [(t.last - t.first) / (t.request.generated - 1) for t in tracked if t.request.generated > 1]
 
 
 class Simulation:
@@ -187,8 +215,8 @@ class Simulation:
 
     def run(self) -> Result:
         draw = self.workload.draw()
-        for arrival, prompt, output in draw:
-            self.at(arrival, lambda p=prompt, o=output: self._arrive(p, o))
+        for (arrival, prompt, output), priority in zip(draw, self.workload.priorities(), strict=True):
+            self.at(arrival, lambda p=prompt, o=output, u=priority: self._arrive(p, o, u))
         window = draw[-1][0]
         self._empty_window = (window / 2, window)
         emitted: list[int] = []
@@ -201,11 +229,10 @@ class Simulation:
             self.now, _, action = heapq.heappop(self._events)
             action()
         tracked = list(self._tracked.values())
+        urgent = [t for t in tracked if t.priority]
         return Result(
             ttft=[t.first - t.arrival for t in tracked],
-            decode=[
-                (t.last - t.first) / (t.request.generated - 1) for t in tracked if t.request.generated > 1
-            ],
+            decode=_decode(tracked),
             preemptions=sum(b.preemptions for b in self.batches),
             preemption_loss_s=sum(t.preemption_loss for t in tracked),
             tokens=sum(t.request.generated for t in tracked),
@@ -215,11 +242,13 @@ class Simulation:
             migration_refused=self.refused,
             stall_ms=self.stalls,
             empty_engines=self._empty_seen / self._empty_reports if self._empty_reports else 0.0,
+            priority_ttft=[t.first - t.arrival for t in urgent],
+            priority_decode=_decode(urgent),
         )
 
     # ---- requests and engines ---------------------------------------------------------------
 
-    def _arrive(self, prompt: int, output: int) -> None:
+    def _arrive(self, prompt: int, output: int, priority: bool = False) -> None:
         request_id = f"r{len(self._tracked)}"
         # Prompt ids only feed affinity scorers' hashes; distinct per request.
         ask = Ask("m", range(len(self._tracked) * 8192, len(self._tracked) * 8192 + prompt))
@@ -228,7 +257,7 @@ class Simulation:
         engine = self._by_id[view.engine_id]
         view.sent(ask.prompt_blocks)
         request = SimRequest(request_id, prompt, output)
-        self._tracked[request_id] = _Tracked(self.now, request, engine)
+        self._tracked[request_id] = _Tracked(self.now, request, engine, priority=priority)
         self.batches[engine].add(request)
         self._wake(engine)
 
@@ -274,8 +303,10 @@ class Simulation:
         if self._empty_window[0] <= self.now <= self._empty_window[1]:
             self._empty_reports += 1
             self._empty_seen += sum(1 for b in self.batches if not b.running and not b.waiting)
+        headroom = self.fleet.priority_headroom * self.fleet.sim.kv_blocks
         for batch, view in zip(self.batches, self.views, strict=True):
             used = batch.config.kv_blocks - batch.free
+            urgent = sum(1 for r in (*batch.running, *batch.waiting) if self._tracked[r.request_id].priority)
             view.update_report(
                 LoadReport(
                     engine_id=view.engine_id,
@@ -285,6 +316,7 @@ class Simulation:
                     num_waiting=len(batch.waiting),
                     kv_blocks_used=used,
                     kv_blocks_free=batch.free,
+                    kv_blocks_reserved=min(batch.config.kv_blocks, round(headroom * urgent)),
                 )
             )
         self.at(self.now + self.fleet.report_interval_s, self._report)
@@ -316,7 +348,9 @@ class Simulation:
         if not candidates:
             self.balancer.ended(move, self.now)
             return
-        request = min(candidates, key=lambda r: r.context)
+        # As ``EngineService.cheapest_to_move``: other requests before priority ones, then the
+        # least KV to copy.
+        request = min(candidates, key=lambda r: (self._tracked[r.request_id].priority, r.context))
         tracked = self._tracked[request.request_id]
         reserved = self.batches[dst].blocks(request.context + 1)
         if not self.batches[dst].reserve(reserved):

@@ -327,7 +327,9 @@ def create_app(
                 raise
             charge = functools.partial(rate_limiter.charge, caller)
         session = request.headers.get(generation.session_header)
-        handle = await generation.start(body.model, prompt_ids, sampling, on_close=charge, session=session)
+        handle = await generation.start(
+            body.model, prompt_ids, sampling, on_close=charge, session=session, priority=body.priority
+        )
         deltas = handle.deltas()
         # Wait for the first output before answering, so that an engine refusing the request
         # still gets an HTTP status of its own rather than an error event in a 200 stream.

@@ -3,8 +3,8 @@
 Only what the router implements is accepted with a value: a field it does not implement yet
 (``logprobs``, ``tools``, ...) is a 400 naming the field when it is set, never silently ignored.
 Fields the OpenAI API defines as hints (``user``, ``metadata``) and unknown extra fields are
-ignored, as OpenAI does. ``return_token_ids`` and ``ignore_eos`` are extensions that vLLM's own
-server also offers.
+ignored, as OpenAI does. ``return_token_ids``, ``ignore_eos`` and ``priority`` are extensions that
+vLLM's own server also offers.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    # vLLM's extension: lower is served first; below 0 is a priority request.
+    priority: int = Field(default=0, ge=-(2**31), lt=2**31)
 
     @field_validator("n")
     @classmethod

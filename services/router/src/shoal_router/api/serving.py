@@ -114,11 +114,13 @@ class Generation:
         sampling: SamplingOptions,
         on_close: Callable[[int], None] | None = None,
         session: str | None = None,
+        priority: int = 0,
     ) -> GenerationHandle:
         """Admit the request (waiting in line for a slot if the router is full) and send it to
         an engine; the handle gives the slot back when it closes, and calls ``on_close`` with
         the output tokens it delivered. ``session`` (a client's session header) is what
-        session affinity keys on."""
+        session affinity keys on; ``priority`` goes to the engine (below 0: a priority
+        request)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         self.metrics.queued.inc()
@@ -131,7 +133,7 @@ class Generation:
                 self,
                 model,
                 f"{self._router_id}-{uuid.uuid4().hex}",
-                AddRequest("", prompt_token_ids, sampling, self.engines.reply_to),
+                AddRequest("", prompt_token_ids, sampling, self.engines.reply_to, priority=priority),
                 on_close,
                 session,
             )

@@ -95,9 +95,11 @@ class EngineView:
         self.room = report.kv_blocks_free - self._pending_blocks
         # Llumnix's freeness: blocks left per batch slot once what runs, was sent and waits is
         # counted; a waiting request is taken to need as many blocks as a running one on average.
+        # The headroom the engine keeps for its priority requests counts as used (virtual usage).
         queued = waiting * used / running if running else 0.0
         total = total or used + report.kv_blocks_free
-        self.free = (total - used - self._pending_blocks - queued) / (self.held + 1)
+        taken = used + report.kv_blocks_reserved + self._pending_blocks + queued
+        self.free = (total - taken) / (self.held + 1)
 
     record: _Input[EngineRecord] = _Input()
     connected: _Input[bool] = _Input()

@@ -1,0 +1,140 @@
+"""Priority benchmark: how much faster priority requests decode when engines keep KV headroom
+for them (Llumnix's virtual usage) and migrations move other requests away, on simulated engines.
+
+Method
+------
+The fleet benchmark's engines and workload (``bench/fleet.py``) on 16 engines, with a share of
+the requests marked as priority requests (priority below 0). Each rate runs twice with the same
+requests, both with least-load dispatch and balancing migrations: once with no headroom (every
+request alike), once with each engine counting ``--headroom`` of its KV cache as used per
+priority request it holds. Dispatch then sends such an engine fewer requests and balancing moves
+its other requests (never the priority one first) to freer engines, so priority requests decode
+in smaller batches. The cost lands on the other requests. Results go between
+``<!-- priority:begin -->`` and ``<!-- priority:end -->`` of ``docs/benchmarks.md``, the plot to
+``docs/img/priority.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from fleet import IMG, SIM
+from report import publish
+
+from shoal_engine.sim_backend import STEP_MODELS
+from shoal_fleet.simulation import Fleet, Simulation, Workload
+from shoal_router.core.rebalance import BalancePolicy
+
+BEGIN, END = "<!-- priority:begin -->", "<!-- priority:end -->"
+
+
+def run(args: argparse.Namespace, rate: float, headroom: float) -> dict[str, Any]:
+    fleet = Fleet(
+        engines=args.engines,
+        sim=SIM,
+        migrate=True,
+        balance=BalancePolicy(
+            threshold=args.balance_threshold,
+            patience=1,
+            cooldown_s=args.balance_cooldown,
+            max_concurrent=args.balance_max_concurrent,
+        ),
+        balance_interval_s=args.balance_interval,
+        kv_bandwidth_gbps=args.kv_gbps,
+        priority_headroom=headroom,
+    )
+    workload = Workload(rate=rate, requests=args.requests, seed=args.seed, priority_share=args.share)
+    started = time.monotonic()
+    row: dict[str, Any] = {"rate": rate, "headroom": headroom, **Simulation(fleet, workload).run().summary()}
+    print(
+        f"  {rate:5.1f} req/s, headroom {headroom:4.2f}: priority decode p50 "
+        f"{row['priority_decode_p50_ms']:5.1f} ms p99 {row['priority_decode_p99_ms']:5.1f} ms; all "
+        f"requests decode p50 {row['decode_p50_ms']:5.1f} ms, TTFT p99 {row['ttft_p99_s']:5.2f} s "
+        f"({time.monotonic() - started:.0f} s)",
+        flush=True,
+    )
+    return row
+
+
+def plot(rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(figsize=(6, 4))
+    for headroom in sorted({r["headroom"] for r in rows}):
+        mine = [r for r in rows if r["headroom"] == headroom]
+        rates = [r["rate"] for r in mine]
+        label = f"headroom {headroom:g}"
+        axes.plot(rates, [r["priority_decode_p50_ms"] for r in mine], marker="o", label=f"priority, {label}")
+        axes.plot(
+            rates, [r["decode_p50_ms"] for r in mine], marker="x", linestyle="--", label=f"all, {label}"
+        )
+    axes.set(xlabel="requests/s", ylabel="decode latency p50 (ms per token)", title="Priority requests")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    fig.tight_layout()
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig.savefig(IMG / "priority.png", dpi=110)
+
+
+def section(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
+    model = STEP_MODELS[SIM.model]
+    lines = [
+        BEGIN,
+        "## Priority requests: KV headroom and migrations that make room for them",
+        "",
+        f"`make bench-priority`: {args.engines} simulated engines ({model.name}, {SIM.kv_blocks:,} KV "
+        f"blocks), {args.requests:,} requests per run of which {args.share:.0%} are priority requests, "
+        f"seed {args.seed}; least-load dispatch and balancing migrations as in the fleet benchmark, "
+        f"without headroom and with {args.headroom:g} of an engine's KV cache counted as used per "
+        "priority request it holds.",
+        "",
+        "![decode latency of priority requests against rate](img/priority.png)",
+        "",
+        "| req/s | headroom | priority decode p50 (ms) | priority decode p99 (ms) | priority TTFT p99 (s) | "
+        "all decode p50 (ms) | all decode p99 (ms) | all TTFT p99 (s) | moves |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['rate']:g} | {r['headroom']:g} | {r['priority_decode_p50_ms']:.1f} | "
+            f"{r['priority_decode_p99_ms']:.1f} | {r['priority_ttft_p99_s']:.2f} | "
+            f"{r['decode_p50_ms']:.1f} | "
+            f"{r['decode_p99_ms']:.1f} | {r['ttft_p99_s']:.2f} | {r['migrations']:,} |"
+        )
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engines", type=int, default=16)
+    parser.add_argument("--rates", default="8,16,24", help="arrival rates swept, requests/s in all")
+    parser.add_argument("--requests", type=int, default=4000, help="requests per run")
+    parser.add_argument("--share", type=float, default=0.05, help="share of priority requests")
+    parser.add_argument("--headroom", type=float, default=0.25, help="KV fraction per priority request")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-gbps", type=float, default=8.0)
+    parser.add_argument("--balance-interval", type=float, default=0.2)
+    parser.add_argument("--balance-threshold", type=float, default=0.01)
+    parser.add_argument("--balance-cooldown", type=float, default=1.0)
+    parser.add_argument("--balance-max-concurrent", type=int, default=8)
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = []
+    for i, rate in enumerate(rates):
+        print(f"  [{i + 1}/{len(rates)}] {args.engines} engines at {rate} req/s", flush=True)
+        for headroom in (0.0, args.headroom):
+            rows.append(run(args, rate, headroom))
+    if not args.no_docs:
+        plot(rows)
+    publish(section(args, rows), BEGIN, END, print_only=args.no_docs)
+
+
+if __name__ == "__main__":
+    main()
