@@ -24,32 +24,22 @@ import argparse
 import time
 from typing import Any
 
-from fleet import IMG, SIM
+from fleet import IMG, SIM, add_simulation_args, simulated_fleet
 from report import publish
 
 from shoal_engine.sim_backend import STEP_MODELS
-from shoal_fleet.simulation import Fleet, Simulation, Workload
-from shoal_router.core.rebalance import BalancePolicy
+from shoal_fleet.simulation import Simulation, Workload
 
 BEGIN, END = "<!-- consolidate:begin -->", "<!-- consolidate:end -->"
 
 
 def run(args: argparse.Namespace, rate: float, consolidate: bool) -> dict[str, Any]:
-    policy = BalancePolicy(
-        threshold=args.balance_threshold,
-        patience=1,
-        cooldown_s=args.balance_cooldown,
-        max_concurrent=args.balance_max_concurrent,
+    fleet = simulated_fleet(
+        args,
+        args.engines,
+        migrate=True,
         consolidate_below=args.below if consolidate else 0.0,
         consolidate_release=args.release,
-    )
-    fleet = Fleet(
-        engines=args.engines,
-        sim=SIM,
-        migrate=True,
-        balance=policy,
-        balance_interval_s=args.balance_interval,
-        kv_bandwidth_gbps=args.kv_gbps,
     )
     started = time.monotonic()
     result = Simulation(fleet, Workload(rate=rate, requests=args.requests, seed=args.seed)).run()
@@ -124,13 +114,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000, help="requests per run")
     parser.add_argument("--below", type=float, default=0.4, help="consolidate_below")
     parser.add_argument("--release", type=float, default=0.7, help="consolidate_release")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-gbps", type=float, default=8.0)
-    parser.add_argument("--balance-interval", type=float, default=0.2)
-    parser.add_argument("--balance-threshold", type=float, default=0.01)
-    parser.add_argument("--balance-cooldown", type=float, default=1.0)
-    parser.add_argument("--balance-max-concurrent", type=int, default=8)
-    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+    add_simulation_args(parser)
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     rows = []

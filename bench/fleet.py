@@ -53,22 +53,41 @@ SIM = SimConfig(
 IMG = ROOT / "docs" / "img"
 
 
-def run(args: argparse.Namespace, engines: int, rate: float, requests: int, policy: str) -> dict[str, Any]:
-    scheduler, migrate = POLICIES[policy]
-    fleet = Fleet(
+def add_simulation_args(parser: argparse.ArgumentParser) -> None:
+    """The options every simulated-fleet benchmark shares: seed, KV bandwidth, balancing."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-gbps", type=float, default=8.0, help="KV bandwidth between engines, GB/s")
+    parser.add_argument("--balance-interval", type=float, default=0.2)
+    parser.add_argument("--balance-threshold", type=float, default=0.01)
+    parser.add_argument("--balance-patience", type=int, default=1)
+    parser.add_argument("--balance-cooldown", type=float, default=1.0)
+    parser.add_argument("--balance-max-concurrent", type=int, default=8)
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+
+
+def simulated_fleet(args: argparse.Namespace, engines: int, **fleet: Any) -> Fleet:
+    """``engines`` engines of ``SIM`` balanced as ``args`` say; ``fleet`` sets other ``Fleet``
+    fields, and ``consolidate_below`` / ``consolidate_release`` go to the balancing policy."""
+    policy = {key: fleet.pop(key) for key in ("consolidate_below", "consolidate_release") if key in fleet}
+    return Fleet(
         engines=engines,
         sim=SIM,
-        scheduler=scheduler,
-        migrate=migrate,
         balance=BalancePolicy(
             threshold=args.balance_threshold,
             patience=args.balance_patience,
             cooldown_s=args.balance_cooldown,
             max_concurrent=args.balance_max_concurrent,
+            **policy,
         ),
         balance_interval_s=args.balance_interval,
         kv_bandwidth_gbps=args.kv_gbps,
+        **fleet,
     )
+
+
+def run(args: argparse.Namespace, engines: int, rate: float, requests: int, policy: str) -> dict[str, Any]:
+    scheduler, migrate = POLICIES[policy]
+    fleet = simulated_fleet(args, engines, scheduler=scheduler, migrate=migrate)
     workload = Workload(rate=rate, requests=requests, seed=args.seed)
     step = max(1, requests // 4)
 
@@ -254,17 +273,10 @@ def main() -> None:
     parser.add_argument(
         "--scale", default="64,256", help="larger fleets run at the highest sustained rate per engine"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-gbps", type=float, default=8.0, help="KV bandwidth between engines, GB/s")
-    parser.add_argument("--balance-interval", type=float, default=0.2)
-    parser.add_argument("--balance-threshold", type=float, default=0.01)
-    parser.add_argument("--balance-patience", type=int, default=1)
-    parser.add_argument("--balance-cooldown", type=float, default=1.0)
-    parser.add_argument("--balance-max-concurrent", type=int, default=8)
+    add_simulation_args(parser)
     parser.add_argument(
         "--quick", action="store_true", help="a short run: 4 engines, 2 rates, no larger fleets"
     )
-    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
     args = parser.parse_args()
     if args.quick:
         args.engines, args.rates, args.requests, args.scale = 4, "5,6.5", 800, ""
