@@ -48,6 +48,7 @@ import aiohttp
 import httpx
 import psutil
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from report import publish
 
 from shoal_protos.records import Keys, load_report_decoder
@@ -103,7 +104,9 @@ def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, procs: Proc
 
 @dataclass
 class Running:
+    # Where the clients go: the routers, or vllm-router in front of them.
     urls: list[str]
+    router_urls: list[str]
     pids: list[int]
     engine_pids: list[int]
     redis: redis.Redis
@@ -205,6 +208,7 @@ def fleet(
 
         wait_for("the routers to see every engine", all_see_engines, 120, procs)
         front_pid = None
+        router_urls = urls
         if front:
             port = free_port()
             proc = procs.spawn(
@@ -217,7 +221,7 @@ def fleet(
                     "--rate-limit-tokens-per-second", "65536", "--queue-size", "65536",
                 ],
             )  # fmt: skip
-            urls, front_pid = [f"http://127.0.0.1:{port}"], proc.pid
+            router_urls, urls, front_pid = urls, [f"http://127.0.0.1:{port}"], proc.pid
 
             def front_up() -> bool:
                 try:
@@ -226,7 +230,7 @@ def fleet(
                     return False
 
             wait_for("vllm-router", front_up, 60, procs)
-        yield Running(urls, pids, engine_pids, client, args.engines, front_pid)
+        yield Running(urls, router_urls, pids, engine_pids, client, args.engines, front_pid)
     finally:
         procs.stop()
 
@@ -300,6 +304,33 @@ async def round_of(
         return await asyncio.gather(*jobs)
 
 
+def relay_delay_buckets(router_urls: list[str]) -> dict[float, float]:
+    """The routers' ``shoal_router_relay_delay_seconds`` histogram, summed: cumulative count of
+    SSE events by bucket upper bound (seconds)."""
+    buckets: dict[float, float] = {}
+    for url in router_urls:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            if family.name != "shoal_router_relay_delay_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound (ms) of the bucket holding quantile ``q`` of the events between two
+    readings of the histogram."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    total = counts[-1][1] if counts else 0.0
+    for bound, cumulative in counts:
+        if total and cumulative >= q * total:
+            return bound * 1000
+    return float("nan")
+
+
 def cpu_seconds(procs: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
@@ -321,12 +352,14 @@ def measure(
         front_procs = [psutil.Process(running.front_pid)] if running.front_pid else []
         router_before, engine_before = cpu_seconds(router_procs), cpu_seconds(engine_procs)
         front_before = cpu_seconds(front_procs)
+        delays_before = relay_delay_buckets(running.router_urls)
         started = time.perf_counter()
         results = asyncio.run(round_of(running.urls, streams, tokens_each, running))
         wall = time.perf_counter() - started
         router_cpu = cpu_seconds(router_procs) - router_before
         engine_cpu = cpu_seconds(engine_procs) - engine_before
         front_cpu = cpu_seconds(front_procs) - front_before
+        delays_after = relay_delay_buckets(running.router_urls)
         step_ms = statistics.median(running.step_samples) if running.step_samples else float("nan")
         peak_running = running.peak_running
     errors = [r.error for r in results if r.error]
@@ -351,6 +384,8 @@ def measure(
         "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"),
         "engine_step_ms": step_ms,
         "peak_running": peak_running,
+        "relay_p50_ms": bucket_quantile(delays_before, delays_after, 0.5),
+        "relay_p99_ms": bucket_quantile(delays_before, delays_after, 0.99),
         "front_cpu_us_per_token": front_cpu / tokens * 1e6 if tokens and front else float("nan"),
         "front_cpu_us_per_event": front_cpu / events * 1e6 if events and front else float("nan"),
     }
@@ -363,7 +398,8 @@ def measure(
         f"us/token {row['router_cpu_us_per_event']:5.1f} us/event ({row['router_cpu_cores']:.2f} cores), "
         f"engines {row['engine_cpu_us_per_token']:.1f} us/token, gap p50 {row['gap_p50_ms']:.2f} ms "
         f"p99 {row['gap_p99_ms']:.2f} ms, engine step {row['engine_step_ms']:.2f} ms, "
-        f"at most {peak_running} running, {len(errors)} errors"
+        f"at most {peak_running} running, router relay delay p50 <= {row['relay_p50_ms']:g} ms p99 <= "
+        f"{row['relay_p99_ms']:g} ms, {len(errors)} errors"
         f"{front_note}",
         flush=True,
     )
@@ -383,18 +419,22 @@ def section(
         f"x{args.sim_speed:g}), "
         f"every stream asks for {args.tokens:,} tokens; routers, engines and the client share this "
         f"machine's {os.cpu_count()} cores, so tokens/s is bounded by the whole machine and CPU per "
-        "token is the routers' own cost.",
+        "token is the routers' own cost. Router delay: from the engine batch being read off the "
+        "router's socket to the SSE event being handed to the client's connection "
+        "(`shoal_router_relay_delay_seconds`, as its bucket bounds).",
         "",
         "| routers | streams | most running | tokens/s | tokens per SSE event | router CPU per token | "
-        "per event | router CPU (cores) | gap p50 | gap p99 | engine step | errors |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "per event | router CPU (cores) | router delay p50 | p99 | gap p50 | gap p99 | engine step | "
+        "errors |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['routers']} | {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_event']:.2f} | "
             f"{r['router_cpu_us_per_token']:.1f} us | {r['router_cpu_us_per_event']:.1f} us | "
-            f"{r['router_cpu_cores']:.2f} | {r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | "
+            f"{r['router_cpu_cores']:.2f} | <= {r['relay_p50_ms']:g} ms | <= {r['relay_p99_ms']:g} ms | "
+            f"{r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | "
             f"{r['engine_step_ms']:.2f} ms | {r['errors']} |"
         )
     by = {(r["routers"], r["streams"]): r for r in rows}

@@ -318,3 +318,19 @@ def test_held_piece_overlapping_the_filled_gap_is_trimmed_and_delivered() -> Non
 
     assert delta.token_ids == [0, 1, 2, 3, 4, 5]
     assert collector.delivered == 6
+
+
+def test_a_delta_keeps_when_its_oldest_tokens_reached_the_router() -> None:
+    """The start of the delay the router adds (``shoal_router_relay_delay_seconds``): a merged
+    delta is as old as its oldest piece, held pieces included; a failure the router made itself
+    has no arrival."""
+    collector = RequestOutputCollector("r")
+    collector.put("e0", piece(0, [0]), arrived=10.0)
+    collector.put("e0", piece(1, [1]), arrived=11.0)
+    assert take(collector).arrived == 10.0
+    collector.put("e0", piece(3, [3]), arrived=12.0)  # held: token 2 is missing
+    collector.put("e0", piece(2, [2]), arrived=13.0)
+    delta = take(collector)
+    assert delta.token_ids == [2, 3] and delta.arrived == 12.0
+    collector.fail(PieceError("engine_lost", "gone", retryable=True))
+    assert take(collector).arrived == 0.0

@@ -19,6 +19,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 _BATCH_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+_RELAY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 _STALL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -147,6 +148,14 @@ class RouterMetrics:
             "shoal_router_output_batch_seconds",
             "Router time to take in one output batch from an engine (decode, order, hand over).",
             buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.relay_delay = Histogram(
+            "shoal_router_relay_delay_seconds",
+            "What the router adds to a streamed token: from the engine batch that carried it being "
+            "read off the socket to its SSE event being handed to the client's connection (for an "
+            "event of several tokens, from the oldest).",
+            buckets=_RELAY_BUCKETS,
             registry=r,
         )
         self.batch_pieces = Counter(

@@ -388,10 +388,17 @@ def create_app(
             return _sse(payload)
 
         try:
-            yield chunk(first, first_chunk=True)
+            relay_delay, clock = metrics.relay_delay, time.perf_counter
+            data = chunk(first, first_chunk=True)
+            if first.arrived:
+                relay_delay.observe(clock() - first.arrived)
+            yield data
             if not first.finished:
                 async for delta in deltas:
-                    yield chunk(delta)
+                    data = chunk(delta)
+                    if delta.arrived:
+                        relay_delay.observe(clock() - delta.arrived)
+                    yield data
             if include_usage:
                 yield _sse(
                     {

@@ -224,7 +224,10 @@ class GenerationHandle:
                     if delta.token_ids:
                         # What the engine produced before it failed goes out first.
                         tokens_first = RequestDelta(
-                            token_ids=delta.token_ids, text=delta.text, engine_id=delta.engine_id
+                            token_ids=delta.token_ids,
+                            text=delta.text,
+                            engine_id=delta.engine_id,
+                            arrived=delta.arrived,
                         )
                         self._observe(tokens_first)
                         yield tokens_first
@@ -236,7 +239,9 @@ class GenerationHandle:
                     if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                         if delta.token_ids:
                             # Deliver what the engine produced before it failed, then the error.
-                            yield RequestDelta(token_ids=delta.token_ids, text=delta.text)
+                            yield RequestDelta(
+                                token_ids=delta.token_ids, text=delta.text, arrived=delta.arrived
+                            )
                         code = error.code if error else "engine_error"
                         message = error.message if error else "the engine ended the request with an error"
                         if code == "invalid_request":

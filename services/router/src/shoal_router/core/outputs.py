@@ -37,6 +37,9 @@ class RequestDelta:
     error: PieceError | None = None
     # The engine that produced the last piece.
     engine_id: str = ""
+    # ``time.perf_counter()`` when the oldest of these tokens reached the router (0: none did,
+    # the router made the delta itself): the start of the delay the router adds.
+    arrived: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -53,21 +56,23 @@ class RequestOutputCollector:
         self.generation = 0
         self.finished = False
         self._pending: RequestDelta | None = None
-        self._held: dict[int, tuple[str, RequestPiece]] = {}
+        self._held: dict[int, tuple[str, RequestPiece, float]] = {}
         # The reader's wake-up while it waits in ``get`` (a bare future: an ``asyncio.Event``
         # costs more per token, and there is only ever one reader).
         self._waiter: asyncio.Future[None] | None = None
 
-    def put(self, engine_id: str, piece: RequestPiece) -> None:
+    def put(self, engine_id: str, piece: RequestPiece, arrived: float = 0.0) -> None:
+        """Take a piece from ``engine_id`` that reached the router at ``arrived``
+        (``time.perf_counter()``)."""
         if self.finished:
             return
         end = piece.first_index + len(piece.token_ids)
         if piece.first_index > self.delivered:
-            self._held[piece.first_index] = (engine_id, piece)
+            self._held[piece.first_index] = (engine_id, piece, arrived)
             return
         if end <= self.delivered and piece.token_ids:
             return  # a repeat: every token was delivered already
-        self._accept(engine_id, piece, self.delivered - piece.first_index)
+        self._accept(engine_id, piece, self.delivered - piece.first_index, arrived)
         self._release_held()
 
     def _release_held(self) -> None:
@@ -76,10 +81,10 @@ class RequestOutputCollector:
             start = min(self._held)
             if start > self.delivered:
                 return
-            engine_id, piece = self._held.pop(start)
+            engine_id, piece, arrived = self._held.pop(start)
             if start + len(piece.token_ids) <= self.delivered and piece.finish_reason is None:
                 continue  # every token of it arrived in the meantime
-            self._accept(engine_id, piece, self.delivered - start)
+            self._accept(engine_id, piece, self.delivered - start, arrived)
 
     def fail(self, error: PieceError, generation: int = 0) -> None:
         """End the request with an error from the router's side (for example its engine died
@@ -98,10 +103,12 @@ class RequestOutputCollector:
             0,
         )
 
-    def _accept(self, engine_id: str, piece: RequestPiece, overlap: int) -> None:
+    def _accept(self, engine_id: str, piece: RequestPiece, overlap: int, arrived: float = 0.0) -> None:
         pending = self._pending
         if pending is None:
-            pending = self._pending = RequestDelta()
+            pending = self._pending = RequestDelta(arrived=arrived)
+        elif arrived and (not pending.arrived or arrived < pending.arrived):
+            pending.arrived = arrived
         tokens = piece.token_ids[overlap:] if overlap else piece.token_ids
         pending.token_ids.extend(tokens)
         self.token_ids.extend(tokens)

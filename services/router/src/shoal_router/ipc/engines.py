@@ -249,7 +249,7 @@ class EngineClient:
                     and _owned(tracked, batch.engine_id, piece)
                     and (piece.token_ids or piece.finish_reason is not None)
                 ):
-                    tracked.collector.put(batch.engine_id, piece)
+                    tracked.collector.put(batch.engine_id, piece, started)
                 if i and i % _CHUNK == 0:
                     await asyncio.sleep(0)
             if batch_seconds is not None and pieces_taken is not None:
