@@ -93,11 +93,12 @@ class RouterConfig(BaseModel):
     """An engine that took part in a balancing move is left alone this long after it."""
 
     consolidate_below: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """With ``balance``: empty the least-loaded engine while the model's KV use over the engines
-    left stays below this fraction, so the autoscaler can remove it (0: never)."""
+    """With ``balance``: empty the least-loaded engine while the model's load (KV blocks and
+    batch slots in use) over the engines left stays below this fraction, so the autoscaler can
+    remove it (0: never)."""
 
     consolidate_release: float = Field(default=0.7, gt=0.0, le=1.0)
-    """Give an emptying engine back to dispatch once the KV use over the others passes this."""
+    """Give an emptying engine back to dispatch once the load over the others passes this."""
 
     leader_ttl_s: float = Field(default=5.0, gt=0.0)
     """The leader lease's lifetime: a dead leader's successor takes over after it."""

@@ -97,13 +97,13 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "--consolidate-below",
         type=float,
         default=0.0,
-        help="with --balance: empty the least-loaded engine while KV use over the rest stays below this",
+        help="with --balance: empty the least-loaded engine while the load over the rest stays below this",
     )
     parser.add_argument(
         "--consolidate-release",
         type=float,
         default=0.7,
-        help="give an emptying engine back once KV use over the rest passes this",
+        help="give an emptying engine back once the load over the rest passes this",
     )
     parser.add_argument(
         "--redis-restart-grace",

@@ -16,13 +16,14 @@ slot), so no engine preempts while another idles.
   lone request only moves the load), the leader asks the crowded engine to move one request
   there (``Migrate`` with no request id: the engine picks the one
   with the least KV to copy) with reason ``balance``.
-* **Consolidation** (with ``consolidate_below`` set). While a model's KV use would stay under
-  ``consolidate_below`` of the KV of the engines left, the leader marks its least-loaded engine
+* **Consolidation** (with ``consolidate_below`` set). While a model's load (its KV blocks in
+  use, and its requests per batch slot where engines say their batch size) would stay under
+  ``consolidate_below`` of what the engines left hold, the leader marks its least-loaded engine
   *emptying* (a key in Redis with a short TTL that it renews: every router stops dispatching
   there) and moves that engine's requests, one at a time, to the fullest engines that still
   have room, packing them so the emptied engine holds nothing and the autoscaler can remove it
   (the operator takes the least-loaded engines first). One more engine is marked per check
-  while the condition holds; when the use climbs past ``consolidate_release`` of the engines
+  while the condition holds; when the load climbs past ``consolidate_release`` of the engines
   left, the last one marked goes back to dispatch. Balancing runs among the other engines.
 * **Hysteresis.** Both engines of a move are left alone for ``cooldown_s`` after it ends (their
   reports must catch up first; no ping-pong; an emptying source may move again at once, its
@@ -103,10 +104,10 @@ class BalancePolicy:
     max_concurrent: int = 2
     """Balancing moves running at once."""
     consolidate_below: float = 0.0
-    """Empty an engine while the model's KV use over the engines left stays below this
-    fraction (0: never consolidate)."""
+    """Empty an engine while the model's load over the engines left (``_load``) stays below
+    this fraction (0: never consolidate)."""
     consolidate_release: float = 0.7
-    """Give an emptying engine back to dispatch once the KV use over the engines left passes
+    """Give an emptying engine back to dispatch once the load over the engines left passes
     this fraction."""
 
     def __post_init__(self) -> None:
