@@ -318,6 +318,13 @@ ROUTER = Dashboard(
             "s",
         ),
         Panel(
+            "Delay added per token",
+            "From the engine batch carrying a token being read off the router's socket to its SSE "
+            "event being handed to the client's connection, p50 and p99.",
+            _quantiles("shoal_router_relay_delay_seconds", selector=""),
+            "s",
+        ),
+        Panel(
             "TTFT: router and vLLM",
             "Time to first token at the router beside vLLM's own inside the engines (p99); the "
             "difference is tokenizing, dispatch and relay.",
