@@ -137,12 +137,48 @@ async def test_the_batch_limit_keeps_requests_waiting() -> None:
         backend.shutdown()
 
 
+async def test_a_migrated_request_with_its_kv_staged_skips_the_prefill() -> None:
+    """The target side of a simulated migration: with the blocks of the source's KV staged (the
+    simulated KV agent counted them), the request joins the batch at once with its context's
+    KV, and the agent sees its KV tokens; without them it is computed again from the prompt."""
+    backend = await _started(speed=1.0, kv_blocks=256, max_model_len=4096)
+    try:
+        context = list(range(101))  # prompt plus the outputs so far
+        backend.staging.add("m1", 7)  # ceil(100 / 16): every token but the last sampled one
+        moved = backend.generate(
+            "moved",
+            context,
+            SamplingOptions(max_tokens=50),
+            kv_params={"load": {"migration": "m1", "tokens": 100}},
+        )
+        first = asyncio.create_task(anext(moved))
+        deadline = asyncio.get_running_loop().time() + 5
+        while backend.tokens_written("moved") != 100:  # admitted with its KV, before any step
+            assert asyncio.get_running_loop().time() < deadline, backend.tokens_written("moved")
+            await asyncio.sleep(0.001)
+        assert backend.staging.snapshot() == {}  # taken on admission
+        await first
+        await moved.aclose()
+        recomputed = backend.generate(
+            "again",
+            context,
+            SamplingOptions(max_tokens=5),
+            kv_params={"load": {"migration": "m2", "tokens": 100}},
+        )
+        assert backend.tokens_written("again") is None  # not started before iteration
+        await anext(recomputed)
+        assert backend.tokens_written("again") == 101  # it prefilled, then sampled one token
+        await recomputed.aclose()
+    finally:
+        backend.shutdown()
+
+
 async def test_bad_requests_and_configs_are_refused() -> None:
     backend = await _started(max_model_len=64, kv_blocks=8)
     try:
         with pytest.raises(BackendRequestError, match="max_model_len"):
             await anext(backend.generate("a", list(range(60)), SamplingOptions(max_tokens=10)))
-        with pytest.raises(BackendRequestError, match="migrated"):
+        with pytest.raises(BackendRequestError, match="staged KV"):
             await anext(backend.generate("a", [1], SamplingOptions(max_tokens=1), kv_params={"x": 1}))
     finally:
         backend.shutdown()

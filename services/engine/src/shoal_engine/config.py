@@ -95,6 +95,13 @@ class EngineConfig(BaseModel):
     sim_seed: int = 0
     """``sim``: seed of the generated token ids."""
 
+    sim_kv_gbps: float = Field(default=8.0, gt=0.0)
+    """``sim`` with ``migration``: gigabytes per second a migration's KV moves (timed, no bytes
+    travel; ``kv.sim_agent``)."""
+
+    sim_kv_bytes_per_token: int = Field(default=131_072, ge=1)
+    """``sim``: KV cache bytes per token (LLaMA-3-8B in fp16 by default)."""
+
     migration: bool = False
     """Load Shoal's KV connector so running requests can move to other engines with their KV
     (needs ``control_port`` and ``kv_port``)."""

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from shoal_engine.backend import BackendDeadError, EngineBackend
 from shoal_engine.config import EngineConfig
 from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
+from shoal_engine.kv.sim_agent import SimKvAgent
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration import EngineControlServicer, MigrationError, MigrationManager
 from shoal_engine.registry import EngineRegistration
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--sim-kv-blocks", type=int, default=4096, help="sim: KV cache size in blocks")
     parser.add_argument("--sim-speed", type=float, default=1.0, help="sim: step times divided by this")
     parser.add_argument("--sim-seed", type=int, default=0, help="sim: seed of the generated tokens")
+    parser.add_argument("--sim-kv-gbps", type=float, default=8.0, help="sim: GB/s a migration's KV moves at")
+    parser.add_argument("--sim-kv-bytes-per-token", type=int, default=131_072, help="sim: KV bytes per token")
     parser.add_argument("--served-model-name", required=True)
     parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
     parser.add_argument("--cluster", default="default")
@@ -94,8 +97,6 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="the fleet's CURVE key file (encrypted frames, members only)",
     )
     args = parser.parse_args(argv)
-    if args.backend == "sim" and args.migration:
-        parser.error("--migration needs vLLM's KV cache: the simulated backend does not model it yet")
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -129,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         sim_kv_blocks=args.sim_kv_blocks,
         sim_speed=args.sim_speed,
         sim_seed=args.sim_seed,
+        sim_kv_gbps=args.sim_kv_gbps,
+        sim_kv_bytes_per_token=args.sim_kv_bytes_per_token,
     )
 
 
@@ -392,24 +395,43 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = parse_args(argv)
     backend: EngineBackend
+    agent: SimKvAgent | None = None
     if config.backend == "sim":
-        backend = SimulatedBackend(
-            SimConfig(
-                model=config.model,
-                kv_blocks=config.sim_kv_blocks,
-                block_size=config.block_size or 16,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=config.max_model_len or 8192,
-                speed=config.sim_speed,
-                seed=config.sim_seed,
-            )
+        sim = SimConfig(
+            model=config.model,
+            kv_blocks=config.sim_kv_blocks,
+            block_size=config.block_size or 16,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len or 8192,
+            speed=config.sim_speed,
+            seed=config.sim_seed,
+            kv_bytes_per_token=config.sim_kv_bytes_per_token,
+            kv_gbps=config.sim_kv_gbps,
         )
+        backend = simulated = SimulatedBackend(sim)
+        if config.migration:
+            # vLLM's worker runs the real KV agent; the simulated engine runs one that times
+            # the moves at the configured bandwidth (sped up as its steps are).
+            agent = SimKvAgent(
+                simulated,
+                config.kv_agent_address,
+                config.kv_data_bind,
+                sim.block_size,
+                sim.bytes_per_block,
+                sim.kv_gbps * 1e9 * sim.speed,
+            )
+            agent.start()
     else:
         # vLLM is imported only here, so the rest of the package loads without it.
         from shoal_engine.vllm_backend import VllmBackend
 
         backend = VllmBackend(config)
-    raise SystemExit(asyncio.run(run(config, backend)))
+    try:
+        code = asyncio.run(run(config, backend))
+    finally:
+        if agent is not None:
+            agent.close()
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,12 @@ The model follows vLLM's continuous batching, simplified:
   the same for the same seed. There is no end-of-sequence token: a request runs to its
   ``max_tokens`` or to one of its ``stop_token_ids``. The text of a token is its id.
 
-A migrated request's KV (``kv_params``) is not modelled yet: such requests are refused.
+* Migrations: with ``--migration``, the engine runs ``kv.sim_agent`` in place of the KV agent
+  in vLLM's worker. A request's KV is its context but the last sampled token; moving it takes
+  ``blocks x kv_bytes_per_token x block_size / kv_gbps`` (divided by ``speed``), and a migrated
+  request whose blocks were staged joins the batch with no prefill (``SimBatch.admit_moved``).
+  It continues with token ids drawn from its new context, so its text differs from a run that
+  never moved (its count and order of tokens do not).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from shoal_engine.backend import (
     BackendOutput,
     BackendRequestError,
 )
+from shoal_engine.kv.sim_agent import SimStaging
 from shoal_protos.messages import FinishReason, SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -133,6 +139,15 @@ class SimConfig:
     speed: float = 1.0
     seed: int = 0
     vocab_size: int = 32_000
+    kv_bytes_per_token: int = 131_072
+    """KV cache bytes per token (LLaMA-3-8B in fp16: 32 layers x 8 KV heads x 128 x 2 x 2 bytes);
+    what a migration moves per token."""
+    kv_gbps: float = 8.0
+    """Gigabytes per second a migration's KV moves between two simulated engines."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
 
 
 @dataclass(eq=False)
@@ -148,6 +163,8 @@ class SimRequest:
     generated: int = 0
     blocks: int = 0
     finish: FinishReason | None = None
+    kv_loaded: bool = False
+    """It arrived with its context's KV (a migration): no prefill."""
 
     @property
     def context(self) -> int:
@@ -314,6 +331,10 @@ class SimBatch:
         return emitted
 
 
+def _written(request: SimRequest) -> int:
+    return request.context - 1 if request.blocks and (request.generated or request.kv_loaded) else 0
+
+
 @dataclass(eq=False)
 class _Stream:
     """Tokens of one request not yet handed to its ``generate`` iterator."""
@@ -334,6 +355,28 @@ class SimulatedBackend:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._load = BackendLoad(kv_blocks_total=config.kv_blocks)
+        # Blocks of migrations arriving here, as the simulated KV agent counts them.
+        self.staging = SimStaging()
+        # Requests a migration holds (the agent's Hold): the KV tokens they had when they left
+        # the batch (None while they still run), until the agent releases them.
+        self._holds: dict[str, int | None] = {}
+
+    def tokens_written(self, request_id: str) -> int | None:
+        """Tokens whose KV the batch computed for a request: its context but the last sampled
+        token, once a step ran it or its KV arrived (0 before); for a held request that left
+        the batch, what it had then; None: not here. Called from the simulated KV agent's
+        thread; it only reads."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return self._holds.get(request_id)
+        return _written(stream.request)
+
+    def hold(self, request_id: str) -> None:
+        """Keep the request's KV count after it leaves the batch (a migration's stop)."""
+        self._holds[request_id] = None
+
+    def release(self, request_id: str) -> None:
+        self._holds.pop(request_id, None)
 
     @property
     def preemptions(self) -> int:
@@ -364,9 +407,10 @@ class SimulatedBackend:
         priority: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         # ``priority`` is not used: the simulated batch admits first come, first served, as
-        # vLLM's FCFS policy does.
-        if kv_params:
-            raise BackendRequestError("the simulated engine does not take a migrated request's KV")
+        # vLLM's FCFS policy does. ``kv_params`` can only bring a migration's staged KV.
+        load = (kv_params or {}).get("load")
+        if kv_params and not isinstance(load, dict):
+            raise BackendRequestError("the simulated engine takes only a migration's staged KV")
         if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:
             raise BackendRequestError(
                 f"prompt ({len(prompt_token_ids)}) plus max_tokens ({sampling.max_tokens}) exceed "
@@ -383,7 +427,16 @@ class SimulatedBackend:
         )
         stream = _Stream(request)
         self._streams[request_id] = stream
-        self.batch.add(request)
+        if load is not None and await self._staged(str(load["migration"]), int(load["tokens"])):
+            # Its KV arrived: it joins the batch with no prefill (or waits, if the cache filled).
+            request.kv_loaded = True
+            reserved = self.batch.blocks(request.context + 1)
+            if self.batch.reserve(reserved):
+                self.batch.admit_moved(request, reserved)
+            else:
+                self.batch.add(request)
+        else:
+            self.batch.add(request)
         self._wake.set()
         try:
             while True:
@@ -395,9 +448,23 @@ class SimulatedBackend:
                 if request.finish is not None:
                     return
         finally:
+            if request_id in self._holds:
+                self._holds[request_id] = _written(request)
             self._streams.pop(request_id, None)
             if request.finish is None:
                 self.batch.drop(request)
+
+    async def _staged(self, migration_id: str, tokens: int, wait_s: float = 0.5) -> bool:
+        """Whether the blocks holding ``tokens`` tokens of a migration were staged here; the
+        source announces them before its commit, but on another socket, so they get a moment
+        to land. The staging is cleared either way."""
+        need = -(-tokens // self.config.block_size)
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while self.staging.snapshot().get(migration_id, 0) < need:
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.002)
+        return self.staging.take(migration_id) >= need
 
     def load(self) -> BackendLoad:
         return self.batch.load(self._load)

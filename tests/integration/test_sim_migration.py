@@ -1,0 +1,190 @@
+"""Live migration between simulated engines: two ``shoal-engine --backend sim --migration``
+processes, whose KV agent times each move at the configured bandwidth (``kv.sim_agent``), run
+the real migration protocol under a real router and Redis. A request moved by the engine's
+control API finishes its stream with every token once, its KV counted in blocks of the model's
+real size; the router's balancing leader moves requests off a crowded simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import openai
+import pytest
+import redis
+
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos.records import Keys, engine_record_decoder, migration_record_decoder
+from tests.integration.support import free_port, redis_server, wait_until
+
+pytestmark = pytest.mark.integration
+
+CLUSTER, MODEL = "sim-move", "sim-move"
+BLOCK, BYTES_PER_TOKEN = 16, 131_072  # the simulated engine's defaults (LLaMA-3-8B in fp16)
+
+
+@dataclass(frozen=True)
+class MovingFleet:
+    url: str
+    redis: redis.Redis
+    keys: Keys
+
+    def control(self, engine_id: str) -> pb_grpc.EngineControlStub:
+        raw = self.redis.get(self.keys.engine(engine_id))
+        assert raw is not None, f"{engine_id} is not registered"
+        channel = grpc.insecure_channel(engine_record_decoder.decode(raw).control_address)
+        return pb_grpc.EngineControlStub(channel)
+
+
+@pytest.fixture(scope="module")
+def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFleet]:
+    """Redis, two simulated engines that migrate, and a balancing router that places requests
+    by session (so a test can pile them on one engine)."""
+    logs = tmp_path_factory.mktemp("sim-move")
+    redis_port = free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(command: list[str], name: str) -> None:
+        with (logs / f"{name}.log").open("wb") as out:
+            processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
+
+    with redis_server(redis_port):
+        try:
+            for i in range(2):
+                spawn(
+                    [
+                        sys.executable, "-m", "shoal_engine.main", "--backend", "sim",
+                        "--model", "llama3-8b-a100", "--sim-kv-blocks", "2048", "--max-model-len", "4096",
+                        "--max-num-seqs", "32", "--served-model-name", MODEL, "--engine-id", f"sim-{i}",
+                        "--cluster", CLUSTER, "--redis-url", redis_url, "--zmq-port", str(free_port()),
+                        "--http-port", str(free_port()), "--migration",
+                        "--control-port", str(free_port()), "--kv-port", str(_two_free_ports()),
+                    ],
+                    f"sim-{i}",
+                )  # fmt: skip
+            port = free_port()
+            spawn(
+                [
+                    sys.executable, "-m", "shoal_router.main", "--model", MODEL, "--cluster", CLUSTER,
+                    "--redis-url", redis_url, "--tokenizer", "127.0.0.1:1", "--port", str(port),
+                    "--zmq-port", str(free_port()), "--scheduler", "session_affinity",
+                    "--balance", "--balance-interval", "0.2", "--balance-threshold", "0.02",
+                    "--balance-cooldown", "0.5",
+                ],
+                "router",
+            )  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+
+            def ready() -> bool:
+                for proc in processes:
+                    assert proc.poll() is None, f"a process exited; logs in {logs}"
+                try:
+                    health = httpx.get(url + "/health", timeout=2).json()
+                except (httpx.HTTPError, ValueError):
+                    return False
+                return len(health.get("engines", {})) == 2
+
+            wait_until(ready, 120, "the router to see both simulated engines", every_s=0.2)
+            client = redis.Redis.from_url(redis_url)
+            yield MovingFleet(url, client, Keys(CLUSTER))
+            client.close()
+        finally:
+            for proc in processes:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in processes:
+                proc.wait(timeout=30)
+
+
+def _two_free_ports() -> int:
+    """A port whose next one is free too (the KV agent's data and control sockets)."""
+    while True:
+        port = free_port()
+        if port < 65535:
+            with socket.socket() as probe, contextlib.suppress(OSError):
+                probe.bind(("127.0.0.1", port + 1))
+                return port
+
+
+def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: MovingFleet) -> None:
+    body = {
+        "model": MODEL, "prompt": list(range(300)), "max_tokens": 600, "stream": True,
+        "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+    token_ids: list[int] = []
+    with httpx.stream("POST", moving_fleet.url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        source = response.headers["X-Shoal-Engine"]
+        request_id = response.headers["X-Shoal-Request-Id"]
+        target = "sim-1" if source == "sim-0" else "sim-0"
+        lines = response.iter_lines()
+        while len(token_ids) < 50:
+            line = next(lines)
+            if line.startswith("data: {"):
+                token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+        result = moving_fleet.control(source).Migrate(
+            pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin"), timeout=30
+        )
+        assert pb.Outcome.Name(result.outcome) == "MIGRATED", result.detail
+        for line in lines:
+            if line.startswith("data: {"):
+                token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+    assert len(token_ids) == 600  # every token once: none lost, none repeated
+    # The KV went over in whole blocks of the model's size, most of it before the stop.
+    assert result.bytes == result.blocks * BLOCK * BYTES_PER_TOKEN
+    assert result.blocks >= (300 + 50) // BLOCK
+    assert result.stages >= 2
+    record = migration_record_decoder.decode(
+        moving_fleet.redis.get(moving_fleet.keys.migration(result.migration_id))
+    )
+    assert (record.outcome, record.source, record.target) == ("MIGRATED", source, target)
+    # The KV tokens the target loaded: the context but the last sampled token, at the stop.
+    assert record.kv_tokens == record.total_tokens - 1
+    # The copies took the time the bytes need at 8 GB/s (the engines run at speed 1).
+    assert record.duration_ms >= record.bytes / 8e9 * 1000
+
+
+async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engine(
+    moving_fleet: MovingFleet,
+) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=moving_fleet.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+    def migrated() -> float:
+        text = httpx.get(moving_fleet.url + "/metrics", timeout=5).text
+        found = re.search(r'shoal_router_balance_migrations_total\{outcome="MIGRATED"\} (\S+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    before = migrated()
+
+    async def stream(i: int) -> int:
+        # One session: session affinity sends them all to the same engine first.
+        response = await client.completions.create(
+            model=MODEL, prompt=[5, 6, 7 + i], max_tokens=800, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+            extra_headers={"x-session-id": "one"},
+        )  # fmt: skip
+        count = 0
+        async for chunk in response:
+            count += len(chunk.choices[0].model_extra["token_ids"])  # type: ignore[index]
+        return count
+
+    counts = await asyncio.gather(*(stream(i) for i in range(8)))
+    assert counts == [800] * 8
+    deadline = time.monotonic() + 5
+    while migrated() <= before:  # the counter moves when the Migrate call returns
+        assert time.monotonic() < deadline, "the leader moved no request"
+        await asyncio.sleep(0.1)
