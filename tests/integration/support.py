@@ -272,3 +272,81 @@ def extra_router(
         if proc.poll() is None:
             proc.terminate()
         proc.wait(timeout=30)
+
+
+@dataclass(frozen=True)
+class SimFleet:
+    """Redis, simulated engines (``sim-0``, ``sim-1``, ...) and one router, as
+    ``sim_fleet`` started them."""
+
+    url: str
+    redis_url: str
+    engine_urls: list[str]
+
+
+@contextlib.contextmanager
+def sim_fleet(
+    logs: Path,
+    cluster: str,
+    model: str,
+    engine_args: list[str],
+    router_args: tuple[str, ...] = (),
+    engines: int = 2,
+    per_engine: Callable[[int], list[str]] | None = None,
+) -> Iterator[SimFleet]:
+    """A throwaway Redis, ``engines`` ``shoal-engine --backend sim`` processes serving ``model``
+    (``engine_args`` after the common flags, then ``per_engine(i)``) and a router
+    (``router_args`` likewise), until the block ends; it yields once the router sees every
+    engine. Logs go to ``logs``."""
+    redis_port = free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(command: list[str], name: str) -> None:
+        with (logs / f"{name}.log").open("wb") as out:
+            processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
+
+    with redis_server(redis_port):
+        try:
+            engine_urls = []
+            for i in range(engines):
+                http_port = free_port()
+                engine_urls.append(f"http://127.0.0.1:{http_port}")
+                spawn(
+                    [
+                        sys.executable, "-m", "shoal_engine.main", "--backend", "sim",
+                        "--served-model-name", model, "--engine-id", f"sim-{i}", "--cluster", cluster,
+                        "--redis-url", redis_url, "--zmq-port", str(free_port()),
+                        "--http-port", str(http_port), *engine_args,
+                        *(per_engine(i) if per_engine else []),
+                    ],
+                    f"sim-{i}",
+                )  # fmt: skip
+            port = free_port()
+            spawn(
+                [
+                    sys.executable, "-m", "shoal_router.main", "--model", model, "--cluster", cluster,
+                    "--redis-url", redis_url, "--tokenizer", "127.0.0.1:1", "--port", str(port),
+                    "--zmq-port", str(free_port()), *router_args,
+                ],
+                "router",
+            )  # fmt: skip
+            url = f"http://127.0.0.1:{port}"
+
+            def ready() -> bool:
+                for proc in processes:
+                    assert proc.poll() is None, f"a process exited; logs in {logs}"
+                try:
+                    health = httpx.get(url + "/health", timeout=2).json()
+                except (httpx.HTTPError, ValueError):
+                    return False
+                return len(health.get("engines", {})) == engines
+
+            wait_until(ready, 120, "the router to see every simulated engine", every_s=0.2)
+            yield SimFleet(url, redis_url, engine_urls)
+        finally:
+            for proc in processes:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in processes:
+                proc.wait(timeout=30)

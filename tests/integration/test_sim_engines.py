@@ -7,17 +7,14 @@ cache too small for the batch preempts requests without losing or repeating a to
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.support import free_port, redis_server, wait_until
+from tests.integration.support import SimFleet
+from tests.integration.support import sim_fleet as start_sim_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -26,65 +23,17 @@ ENGINES = 2
 KV_BLOCKS, MAX_MODEL_LEN = 64, 1024  # 1,024 tokens of KV per engine: one long request fills it
 
 
-def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-
-
-@dataclass(frozen=True)
-class SimFleet:
-    url: str
-    engine_urls: list[str]
-
-
 @pytest.fixture(scope="module")
 def sim_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimFleet]:
     """Redis, two simulated engines and a router."""
-    logs = tmp_path_factory.mktemp("sim-fleet")
-    redis_port = free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    processes: list[subprocess.Popen[bytes]] = []
-    with redis_server(redis_port):
-        try:
-            engine_urls = []
-            for i in range(ENGINES):
-                http_port = free_port()
-                engine_urls.append(f"http://127.0.0.1:{http_port}")
-                engine = [
-                    sys.executable, "-m", "shoal_engine.main",
-                    "--backend", "sim", "--model", "llama3-8b-a100", "--sim-speed", "4",
-                    "--sim-kv-blocks", str(KV_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-                    "--max-num-seqs", "16", "--served-model-name", MODEL,
-                    "--engine-id", f"sim-{i}", "--cluster", CLUSTER, "--redis-url", redis_url,
-                    "--zmq-port", str(free_port()), "--http-port", str(http_port),
-                ]  # fmt: skip
-                processes.append(_spawn(engine, logs / f"sim-{i}.log"))
-            port = free_port()
-            router = [
-                sys.executable, "-m", "shoal_router.main", "--model", MODEL, "--cluster", CLUSTER,
-                "--redis-url", redis_url, "--tokenizer", "127.0.0.1:1", "--port", str(port),
-                "--zmq-port", str(free_port()),
-            ]  # fmt: skip
-            processes.append(_spawn(router, logs / "router.log"))
-            url = f"http://127.0.0.1:{port}"
-
-            def ready() -> bool:
-                for proc in processes:
-                    assert proc.poll() is None, f"a process exited; logs in {logs}"
-                try:
-                    health = httpx.get(url + "/health", timeout=2).json()
-                except (httpx.HTTPError, ValueError):
-                    return False
-                return len(health.get("engines", {})) == ENGINES
-
-            wait_until(ready, 120, "the router to see both simulated engines", every_s=0.2)
-            yield SimFleet(url, engine_urls)
-        finally:
-            for proc in processes:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in processes:
-                proc.wait(timeout=30)
+    engine_args = [
+        "--model", "llama3-8b-a100", "--sim-speed", "4", "--sim-kv-blocks", str(KV_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
+    ]  # fmt: skip
+    with start_sim_fleet(
+        tmp_path_factory.mktemp("sim-fleet"), CLUSTER, MODEL, engine_args, engines=ENGINES
+    ) as fleet:
+        yield fleet
 
 
 async def _stream(client: openai.AsyncOpenAI, prompt: list[int], max_tokens: int) -> tuple[str, list[int]]:

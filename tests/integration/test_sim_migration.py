@@ -11,8 +11,6 @@ import contextlib
 import json
 import re
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ import redis
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.records import Keys, engine_record_decoder, migration_record_decoder
-from tests.integration.support import free_port, redis_server, wait_until
+from tests.integration.support import free_port, sim_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -51,61 +49,23 @@ class MovingFleet:
 def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFleet]:
     """Redis, two simulated engines that migrate, and a balancing router that places requests
     by session (so a test can pile them on one engine)."""
+    engine_args = [
+        "--model", "llama3-8b-a100", "--sim-kv-blocks", "2048", "--max-model-len", "4096",
+        "--max-num-seqs", "32", "--migration",
+    ]  # fmt: skip
+    router_args = (
+        "--scheduler", "session_affinity", "--balance", "--balance-interval", "0.2",
+        "--balance-threshold", "0.02", "--balance-cooldown", "0.5",
+    )  # fmt: skip
+
+    def ports(_: int) -> list[str]:
+        return ["--control-port", str(free_port()), "--kv-port", str(_two_free_ports())]
+
     logs = tmp_path_factory.mktemp("sim-move")
-    redis_port = free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    processes: list[subprocess.Popen[bytes]] = []
-
-    def spawn(command: list[str], name: str) -> None:
-        with (logs / f"{name}.log").open("wb") as out:
-            processes.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
-
-    with redis_server(redis_port):
-        try:
-            for i in range(2):
-                spawn(
-                    [
-                        sys.executable, "-m", "shoal_engine.main", "--backend", "sim",
-                        "--model", "llama3-8b-a100", "--sim-kv-blocks", "2048", "--max-model-len", "4096",
-                        "--max-num-seqs", "32", "--served-model-name", MODEL, "--engine-id", f"sim-{i}",
-                        "--cluster", CLUSTER, "--redis-url", redis_url, "--zmq-port", str(free_port()),
-                        "--http-port", str(free_port()), "--migration",
-                        "--control-port", str(free_port()), "--kv-port", str(_two_free_ports()),
-                    ],
-                    f"sim-{i}",
-                )  # fmt: skip
-            port = free_port()
-            spawn(
-                [
-                    sys.executable, "-m", "shoal_router.main", "--model", MODEL, "--cluster", CLUSTER,
-                    "--redis-url", redis_url, "--tokenizer", "127.0.0.1:1", "--port", str(port),
-                    "--zmq-port", str(free_port()), "--scheduler", "session_affinity",
-                    "--balance", "--balance-interval", "0.2", "--balance-threshold", "0.02",
-                    "--balance-cooldown", "0.5",
-                ],
-                "router",
-            )  # fmt: skip
-            url = f"http://127.0.0.1:{port}"
-
-            def ready() -> bool:
-                for proc in processes:
-                    assert proc.poll() is None, f"a process exited; logs in {logs}"
-                try:
-                    health = httpx.get(url + "/health", timeout=2).json()
-                except (httpx.HTTPError, ValueError):
-                    return False
-                return len(health.get("engines", {})) == 2
-
-            wait_until(ready, 120, "the router to see both simulated engines", every_s=0.2)
-            client = redis.Redis.from_url(redis_url)
-            yield MovingFleet(url, client, Keys(CLUSTER))
-            client.close()
-        finally:
-            for proc in processes:
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in processes:
-                proc.wait(timeout=30)
+    with sim_fleet(logs, CLUSTER, MODEL, engine_args, router_args, per_engine=ports) as fleet:
+        client = redis.Redis.from_url(fleet.redis_url)
+        yield MovingFleet(fleet.url, client, Keys(CLUSTER))
+        client.close()
 
 
 def _two_free_ports() -> int:
