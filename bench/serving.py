@@ -1,4 +1,5 @@
-"""Serving overhead: the Shoal fleet against vLLM's own OpenAI server, same load, one run.
+"""Serving overhead: the Shoal fleet against vLLM's own OpenAI server, alone and behind the Rust
+vllm-router, same load, one run.
 
 Method
 ------
@@ -9,10 +10,14 @@ beside the engine core, whatever ``--distributed-executor-backend`` says, so nei
 
 * **vllm**: ``python -m vllm.entrypoints.openai.api_server`` (vLLM's API server process, its
   engine-core process and the worker);
+* **vllm-router**: the same server behind ``vllm-router`` (round robin over its one worker);
 * **fleet**: ``shoal_fleet.launcher.Fleet`` with one engine (Redis, tokenizer, engine, router
   under supervisord), on ports away from ``make run``'s defaults.
 
-The targets run one after the other, never together: both would want core 0. Each target gets a
+Besides the client's measures, the CPU time of the process in front of the engine (the fleet's
+router, vllm-router) over the scenarios, per output token.
+
+The targets run one after the other, never together: each wants core 0. Each target gets a
 warm-up of a few requests, then the same scenarios with the same requests:
 
 1. **concurrency**: N requests, at most C in flight;
@@ -74,6 +79,8 @@ from typing import Any, Protocol
 
 import httpx
 import numpy as np
+import psutil
+from relay import vllm_router_binary
 from report import update_section
 
 from shoal_fleet.launcher import Fleet, FleetConfig
@@ -91,6 +98,9 @@ TOKEN_ID_RANGE = (100, 40000)
 TPOT_TARGET_PCT = 5.0
 TTFT_TARGET_MS = 10.0
 VLLM_PORT = 18800
+VLLM_ROUTER_PORT = 18810
+TARGETS = ("vllm", "vllm-router", "fleet")
+"""Targets in the order tables list them."""
 FLEET_PORTS = {
     "router_port": 18900,
     "redis_port": 16900,
@@ -445,6 +455,9 @@ class Target(Protocol):
     def start(self) -> None: ...
     def wait_ready(self, timeout_s: float) -> None: ...
     def stop(self) -> None: ...
+    def router_pid(self) -> int | None:
+        """The process relaying the streams in front of the engine, if the target has one."""
+        ...
 
 
 @contextlib.contextmanager
@@ -537,15 +550,69 @@ class VllmServer:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(self._proc)
+
+    def router_pid(self) -> int | None:
+        return None
+
+
+def stop_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM a process started in a session of its own, and all it started; SIGKILL after 60 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+class VllmRouterTarget:
+    """vLLM's own server behind the Rust ``vllm-router`` (round robin over its one worker): what
+    a vLLM production stack puts in front of its engines."""
+
+    name = "vllm-router"
+
+    def __init__(self, cfg: BenchConfig, run_dir: Path, port: int = VLLM_ROUTER_PORT) -> None:
+        self.server = VllmServer(cfg, run_dir)
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = run_dir / "vllm-router.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if not port_free(self.port):
+            raise RuntimeError(f"port {self.port} is taken; is another benchmark running?")
+        self.server.start()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        started = time.monotonic()
+        self.server.wait_ready(timeout_s)
+        command = [
+            vllm_router_binary(), "--host", "127.0.0.1", "--port", str(self.port),
+            "--worker-urls", self.server.base_url, "--policy", "round_robin",
+            "--prometheus-port", str(self.port + 1), "--worker-startup-check-interval", "1",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        say(f"  command: {' '.join(command)} (log {self.log_path})")
+        with self.log_path.open("wb") as log:
+            self._proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        while not http_ok(self.base_url + "/health"):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"vllm-router exited with {self._proc.returncode}; see {self.log_path}")
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"vllm-router not ready in {timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_group(self._proc)
+        self.server.stop()
+
+    def router_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
 
 class FleetTarget:
@@ -578,6 +645,14 @@ class FleetTarget:
     def stop(self) -> None:
         self._fleet.stop()
 
+    def router_pid(self) -> int | None:
+        port = str(FLEET_PORTS["router_port"])
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = proc.info["cmdline"] or []
+            if "shoal_router.main" in cmdline and port in cmdline:
+                return int(proc.pid)
+        return None
+
 
 def tail(path: Path, lines: int = 20) -> str:
     try:
@@ -595,6 +670,14 @@ class TargetRun:
     ready_s: float
     summaries: list[Summary] = field(default_factory=list)
     requests: dict[str, list[RequestResult]] = field(default_factory=dict)
+    router_cpu_s: float | None = None
+    """CPU time of the process relaying the streams (the fleet's router, vllm-router) over the
+    scenarios, warm-up left out."""
+
+    @property
+    def router_us_per_token(self) -> float | None:
+        tokens = sum(s.output_tokens for s in self.summaries)
+        return self.router_cpu_s / tokens * 1e6 if self.router_cpu_s is not None and tokens else None
 
 
 async def run_scenario(
@@ -611,8 +694,20 @@ async def run_scenario(
     return summarize(target, scenario, results, wall), results
 
 
+def cpu_s(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
 async def measure(
-    target: str, base_url: str, cfg: BenchConfig, warmup: list[list[int]], scenarios: list[Scenario]
+    target: str,
+    base_url: str,
+    cfg: BenchConfig,
+    warmup: list[list[int]],
+    scenarios: list[Scenario],
+    router_pid: int | None = None,
 ) -> TargetRun:
     url = base_url + "/v1/completions"
     run = TargetRun(target=target, ready_s=0.0)
@@ -624,12 +719,16 @@ async def measure(
         results = await run_by_concurrency(client, url, warmup, min(4, len(warmup)), cfg.output_len, progress)
         if not any(r.ok for r in results):
             raise RuntimeError(f"every warm-up request to {target} failed: {results[0].error}")
+        cpu_before = cpu_s(router_pid)
         for scenario in scenarios:
             say(f"  [{target}] scenario {scenario.name}: {scenario.label}")
             summary, results = await run_scenario(client, url, target, scenario, cfg.output_len)
             say(f"  [{target}] {scenario.name}: {format_summary(summary)}")
             run.summaries.append(summary)
             run.requests[scenario.name] = results
+        cpu_after = cpu_s(router_pid)
+        if cpu_before is not None and cpu_after is not None:
+            run.router_cpu_s = cpu_after - cpu_before
     return run
 
 
@@ -656,7 +755,7 @@ def run_target(
             target.wait_ready(cfg.start_timeout_s)
         ready = time.monotonic() - t0
         say(f"{target.name} ready in {ready:.1f} s")
-        run = asyncio.run(measure(target.name, target.base_url, cfg, warmup, scenarios))
+        run = asyncio.run(measure(target.name, target.base_url, cfg, warmup, scenarios, target.router_pid()))
         run.ready_s = ready
         return run
     finally:
@@ -758,6 +857,7 @@ def markdown_section(
     results_path: Path,
     plot_path: Path,
     total_s: float,
+    router_cpu: str = "",
 ) -> str:
     rel_results = results_path.relative_to(ROOT)
     rel_plot = os.path.relpath(plot_path, DOCS_FILE.parent)
@@ -770,7 +870,9 @@ def markdown_section(
         "The same load against vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) "
         "and against a Shoal fleet (Redis, tokenizer, router, one engine), both with one vLLM CPU engine "
         "on core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`), bf16, eager mode, `max_model_len` 2048, 1 GiB KV "
-        f"cache, `max_num_seqs` {MAX_NUM_SEQS}, vLLM's default executor. The two run one after the other "
+        f"cache, `max_num_seqs` {MAX_NUM_SEQS}, vLLM's default executor; and the same vLLM server behind "
+        "the Rust `vllm-router` (round robin over its one worker), the front end of vLLM's production "
+        "stack. They run one after the other "
         f"({'fleet' if cfg.fleet_first else 'vLLM'} first), never together.",
         "",
         "**Load.** Streaming `/v1/completions`, prompt = a list of exactly "
@@ -793,12 +895,18 @@ def markdown_section(
         "",
         f"**Machine:** {machine['nproc']} CPU(s), {machine['cpu_model']}; {machine['vllm']}, "
         f"{machine['torch']}, Python {machine['python']}; commit {machine['git_commit']}; "
-        f"{machine['date_utc']} UTC. Ready in: vLLM {ready.get('vllm', 0):.0f} s, fleet "
-        f"{ready.get('fleet', 0):.0f} s; whole run {total_s / 60:.1f} min.",
+        f"{machine['date_utc']} UTC. Ready in: vLLM {ready.get('vllm', 0):.0f} s, vllm-router + vLLM "
+        f"{ready.get('vllm-router', 0):.0f} s, fleet {ready.get('fleet', 0):.0f} s; whole run "
+        f"{total_s / 60:.1f} min.",
         "",
         results_table(summaries),
         "",
         deltas_table(deltas),
+        "",
+        "**CPU per output token of the process in front of the engine** (its user + system time "
+        "over the scenarios, warm-up left out):",
+        "",
+        router_cpu,
         "",
         load_note(cfg, summaries),
         "",
@@ -873,6 +981,32 @@ def deltas_table(deltas: list[Delta]) -> str:
     return "\n".join(rows)
 
 
+def router_cpu_table(runs: dict[str, TargetRun]) -> str:
+    """CPU per output token of the process in front of the engine, for the targets with one."""
+    rows = [
+        "| front end | CPU over the scenarios | output tokens | CPU per output token |",
+        "|---|--:|--:|--:|",
+    ]
+    for name in TARGETS:
+        run = runs.get(name)
+        if run is None or run.router_cpu_s is None:
+            continue
+        per_token = run.router_us_per_token
+        rows.append(
+            f"| {'Shoal router' if name == 'fleet' else name} | {run.router_cpu_s:.2f} s | "
+            f"{sum(s.output_tokens for s in run.summaries):,} | "
+            f"{'n/a' if per_token is None else f'{per_token:.1f} us'} |"
+        )
+    fleet, rust = runs.get("fleet"), runs.get("vllm-router")
+    if fleet and rust and fleet.router_us_per_token and rust.router_us_per_token:
+        rows += [
+            "",
+            "Shoal router / vllm-router, CPU per token: "
+            f"{fleet.router_us_per_token / rust.router_us_per_token:.2f}x.",
+        ]
+    return "\n".join(rows)
+
+
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -890,19 +1024,19 @@ def plot(summaries: list[Summary], path: Path, title: str) -> None:
 
     scenarios = list(dict.fromkeys(s.scenario for s in summaries))
     by_key = {(s.scenario, s.target): s for s in summaries}
-    colors = {"vllm": "#4C72B0", "fleet": "#DD8452"}
-    names = {"vllm": "vLLM server", "fleet": "Shoal fleet"}
+    colors = {"vllm": "#4C72B0", "vllm-router": "#55A868", "fleet": "#DD8452"}
+    names = {"vllm": "vLLM server", "vllm-router": "vllm-router + vLLM server", "fleet": "Shoal fleet"}
     fig, axes = plt.subplots(len(scenarios), 2, figsize=(10, 3.6 * len(scenarios)), squeeze=False)
     for row, scenario in enumerate(scenarios):
         for col, metric in enumerate(("ttft", "tpot")):
             ax = axes[row][col]
-            for offset, target in ((-0.2, "vllm"), (0.2, "fleet")):
+            for offset, target in zip((-0.27, 0.0, 0.27), TARGETS, strict=True):
                 s = by_key.get((scenario, target))
                 if s is None:
                     continue
                 values = [getattr(s, f"{metric}_p50_ms") or 0.0, getattr(s, f"{metric}_p99_ms") or 0.0]
                 bars = ax.bar(
-                    [offset, 1 + offset], values, width=0.4, color=colors[target], label=names[target]
+                    [offset, 1 + offset], values, width=0.27, color=colors[target], label=names[target]
                 )
                 ax.bar_label(bars, fmt="%.1f" if metric == "tpot" else "%.0f", fontsize=8, padding=2)
             label = by_key[(scenario, "vllm")].label if (scenario, "vllm") in by_key else scenario
@@ -913,7 +1047,7 @@ def plot(summaries: list[Summary], path: Path, title: str) -> None:
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(
-        handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=2, fontsize=9, frameon=False
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=3, fontsize=9, frameon=False
     )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
@@ -984,13 +1118,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{machine['torch']}; logs in {run_dir}"
     )
     warmup, scenarios = build_load(cfg)
-    targets: list[Target] = [VllmServer(cfg, run_dir), FleetTarget(cfg, run_dir / "fleet")]
+    targets: list[Target] = [
+        VllmServer(cfg, run_dir),
+        VllmRouterTarget(cfg, run_dir),
+        FleetTarget(cfg, run_dir / "fleet"),
+    ]
     if cfg.fleet_first:
         targets.reverse()
     runs = {t.name: run_target(t, cfg, warmup, scenarios) for t in targets}
 
-    summaries = [s for name in ("vllm", "fleet") for s in runs[name].summaries]
-    summaries.sort(key=lambda s: ([sc.name for sc in scenarios].index(s.scenario), s.target != "vllm"))
+    summaries = [s for name in TARGETS for s in runs[name].summaries]
+    summaries.sort(key=lambda s: ([sc.name for sc in scenarios].index(s.scenario), TARGETS.index(s.target)))
     deltas = [delta(v, f) for v, f in zip(runs["vllm"].summaries, runs["fleet"].summaries, strict=True)]
     total_s = time.monotonic() - started
     results_path = RESULTS_DIR / f"serving-{stamp}.json"
@@ -999,19 +1137,32 @@ def main(argv: list[str] | None = None) -> None:
     plot(
         summaries,
         plot_path,
-        f"Shoal fleet vs vLLM server, 1 CPU engine, SmolLM2-135M ({machine['date_utc']})",
+        f"Shoal fleet vs vLLM server (alone and behind vllm-router), 1 CPU engine, SmolLM2-135M "
+        f"({machine['date_utc']})",
     )
     say("")
     say(results_table(summaries))
     say("")
     say(deltas_table(deltas))
     say("")
+    say(router_cpu_table(runs))
+    say("")
     say(load_note(cfg, summaries))
     say("")
     if cfg.write_docs:
         ready = {name: run.ready_s for name, run in runs.items()}
         update_docs(
-            markdown_section(cfg, machine, summaries, deltas, ready, results_path, plot_path, total_s)
+            markdown_section(
+                cfg,
+                machine,
+                summaries,
+                deltas,
+                ready,
+                results_path,
+                plot_path,
+                total_s,
+                router_cpu_table(runs),
+            )
         )
         say(f"wrote {DOCS_FILE.relative_to(ROOT)} and {plot_path.relative_to(ROOT)}")
     say(
