@@ -460,7 +460,7 @@ class SimulatedBackend:
         to land. The staging is cleared either way."""
         need = -(-tokens // self.config.block_size)
         deadline = asyncio.get_running_loop().time() + wait_s
-        while self.staging.snapshot().get(migration_id, 0) < need:
+        while self.staging.blocks(migration_id) < need:
             if asyncio.get_running_loop().time() > deadline:
                 break
             await asyncio.sleep(0.002)

@@ -306,7 +306,11 @@ class Simulation:
         headroom = self.fleet.priority_headroom * self.fleet.sim.kv_blocks
         for batch, view in zip(self.batches, self.views, strict=True):
             used = batch.config.kv_blocks - batch.free
-            urgent = sum(1 for r in (*batch.running, *batch.waiting) if self._tracked[r.request_id].priority)
+            urgent = (
+                sum(1 for r in (*batch.running, *batch.waiting) if self._tracked[r.request_id].priority)
+                if headroom
+                else 0
+            )
             view.update_report(
                 LoadReport(
                     engine_id=view.engine_id,

@@ -48,6 +48,11 @@ class SimStaging:
         with self._lock:
             self._blocks[migration_id] = self._blocks.get(migration_id, 0) + blocks
 
+    def blocks(self, migration_id: str) -> int:
+        """The blocks staged for a migration so far."""
+        with self._lock:
+            return self._blocks.get(migration_id, 0)
+
     def take(self, migration_id: str) -> int:
         """The blocks staged for a migration, forgotten from now on."""
         with self._lock:
