@@ -8,10 +8,14 @@ requests or output tokens is the router's cost per request and per token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from shoal_router.core.dispatch import EngineView
 
@@ -23,14 +27,141 @@ _RELAY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
 _STALL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+C = TypeVar("C")
+
+
+class LoopHistogramChild:
+    """One series of a ``LoopHistogram``: counts per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("_bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        # A bucket holds values up to and including its bound (Prometheus's ``le``).
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.total += value
+
+
+class LoopCounterChild:
+    """One series of a ``LoopCounter``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class _LoopFamily(Generic[C]):
+    """A metric family updated only from the event loop's thread, for the series the stream
+    path touches on every SSE event or engine batch.
+
+    prometheus_client's ``Histogram`` and ``Counter`` take a lock on every update (and a
+    histogram scans its bounds and takes two), which the router, one thread, does not need:
+    an observation here is a bisection and two additions (0.11 us against 0.65 us, a counter
+    0.05 us against 0.30 us). Scrapes run on the same thread (``/metrics`` is an async route),
+    and the series read as prometheus_client's own would (names, ``le`` bounds, ``_total``),
+    without their ``_created`` samples."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        child: Callable[[], C],
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._child = child
+        self._children: dict[tuple[str, ...], C] = {}
+        registry.register(self)  # type: ignore[arg-type]  # a collector by its collect()
+        if not labelnames:
+            self._unlabelled = self.labels()
+
+    def labels(self, *values: str) -> C:
+        found = self._children.get(values)
+        if found is None:
+            found = self._children[values] = self._child()
+        return found
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for values, child in self._children.items():
+            self._add(family, list(values), child)
+        yield family
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+    def _add(self, family: Metric, values: list[str], child: C) -> None:
+        raise NotImplementedError
+
+
+class LoopHistogram(_LoopFamily[LoopHistogramChild]):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        bounds = tuple(sorted(buckets))
+        self._bounds = [floatToGoString(bound) for bound in bounds] + ["+Inf"]
+        super().__init__(name, documentation, labelnames, registry, lambda: LoopHistogramChild(bounds))
+
+    def observe(self, value: float) -> None:
+        self._unlabelled.observe(value)
+
+    def _family(self) -> Metric:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def _add(self, family: Metric, values: list[str], child: LoopHistogramChild) -> None:
+        assert isinstance(family, HistogramMetricFamily)
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, child.counts, strict=True):
+            cumulative += count
+            buckets.append((bound, float(cumulative)))
+        family.add_metric(values, buckets, child.total)
+
+
+class LoopCounter(_LoopFamily[LoopCounterChild]):
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry, LoopCounterChild)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._unlabelled.inc(amount)
+
+    def _family(self) -> Metric:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def _add(self, family: Metric, values: list[str], child: LoopCounterChild) -> None:
+        assert isinstance(family, CounterMetricFamily)
+        family.add_metric(values, child.value)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelMetrics:
     """One model's series of the per-token metrics, looked up once: ``labels()`` costs more
     than the observation itself, and the stream path observes every SSE event."""
 
     ttft: Histogram
-    token_gap: Histogram
-    output_tokens: Counter
+    token_gap: LoopHistogramChild
+    output_tokens: LoopCounterChild
     tpot: Histogram
     migrations: Counter
     migration_stall: Histogram
@@ -110,7 +241,7 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.token_gap = Histogram(
+        self.token_gap = LoopHistogram(
             "shoal_router_inter_token_seconds",
             "Mean gap between output tokens of a request, observed per delta.",
             ["model"],
@@ -127,7 +258,7 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "shoal_router_prompt_tokens", "Prompt tokens of requests.", ["model"], registry=r
         )
-        self.output_tokens = Counter(
+        self.output_tokens = LoopCounter(
             "shoal_router_output_tokens", "Output tokens delivered.", ["model"], registry=r
         )
         self.tpot = Histogram(
@@ -144,13 +275,13 @@ class RouterMetrics:
             buckets=_QUEUE_BUCKETS,
             registry=r,
         )
-        self.batch = Histogram(
+        self.batch = LoopHistogram(
             "shoal_router_output_batch_seconds",
             "Router time to take in one output batch from an engine (decode, order, hand over).",
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
-        self.relay_delay = Histogram(
+        self.relay_delay = LoopHistogram(
             "shoal_router_relay_delay_seconds",
             "What the router adds to a streamed token: from the engine batch that carried it being "
             "read off the socket to its SSE event being handed to the client's connection (for an "
@@ -158,7 +289,7 @@ class RouterMetrics:
             buckets=_RELAY_BUCKETS,
             registry=r,
         )
-        self.batch_pieces = Counter(
+        self.batch_pieces = LoopCounter(
             "shoal_router_output_pieces", "Request pieces taken in from engine output batches.", registry=r
         )
         self.migrations = Counter(
