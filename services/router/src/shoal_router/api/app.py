@@ -78,6 +78,95 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
+# Stand-ins for the text and token ids while a stream's event is encoded once (``SseEvents``);
+# the bytes are cut where they land, and they are never sent.
+_TEXT, _IDS = "\x00shoal-text\x00", "\x00shoal-token-ids\x00"
+
+
+class SseEvents:
+    """The SSE events of one streamed completion (``chat``: a chat completion).
+
+    Every event between the first and the last differs from the others only in its text (and
+    token ids, with ``prompt_token_ids`` given): those are encoded once per stream with
+    stand-ins, and each event splices the encoded text into the bytes around them, which costs
+    a small part of building and encoding the whole object (the stream path does it for every
+    event). The first event, the last and the usage event are encoded whole."""
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        *,
+        chat: bool,
+        include_usage: bool,
+        prompt_token_ids: list[int] | None,
+        created: int | None = None,
+    ) -> None:
+        self._id, self._model, self._chat = response_id, model, chat
+        self._object = "chat.completion.chunk" if chat else "text_completion"
+        self._created = _now() if created is None else created
+        self._include_usage = include_usage
+        self._prompt_token_ids = prompt_token_ids
+        token_ids = prompt_token_ids is not None
+        # An event of the middle, cut where its text and token ids go.
+        middle = _sse(self._payload(_TEXT, _IDS if token_ids else [], None, first=False))
+        # The choice comes after the id and the model, which the client chose: cut at the last
+        # stand-in of each.
+        self._head, rest = middle.rsplit(_json.encode(_TEXT), 1)
+        self._ids_at, self._tail = rest.rsplit(_json.encode(_IDS), 1) if token_ids else (b"", rest)
+
+    def _payload(
+        self, text: str, token_ids: list[int] | str, finish: str | None, first: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self._chat:
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            choice["text"] = text
+        if self._prompt_token_ids is not None:
+            choice["token_ids"] = token_ids
+        payload: dict[str, Any] = {
+            "id": self._id,
+            "object": self._object,
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+        }
+        if first and self._prompt_token_ids is not None:
+            payload["prompt_token_ids"] = self._prompt_token_ids
+        if self._include_usage:
+            payload["usage"] = None
+        return payload
+
+    def whole(self, delta: RequestDelta, first: bool = False) -> bytes:
+        """The event for ``delta``, built and encoded whole."""
+        return _sse(self._payload(delta.text, delta.token_ids, _finish(delta), first))
+
+    def first(self, delta: RequestDelta) -> bytes:
+        return self.whole(delta, first=True)
+
+    def event(self, delta: RequestDelta) -> bytes:
+        """The event for ``delta`` after the first: the same bytes as ``whole``."""
+        if delta.finish_reason is not None:
+            return self.whole(delta)
+        text = _json.encode(delta.text)
+        if self._prompt_token_ids is None:
+            return self._head + text + self._tail
+        return self._head + text + self._ids_at + _json.encode(delta.token_ids) + self._tail
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return _sse(
+            {
+                "id": self._id,
+                "object": self._object,
+                "created": self._created,
+                "model": self._model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
+
+
 def _usage(handle: GenerationHandle) -> dict[str, int]:
     return {
         "prompt_tokens": handle.prompt_tokens,
@@ -382,58 +471,28 @@ def create_app(
         response_id: str,
         chat: bool,
     ) -> AsyncIterator[bytes]:
-        created = _now()
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        # Read once: the request's options are pydantic attributes, slower than locals, and
-        # this runs for every SSE event.
-        include_usage, token_ids, model = body.include_usage, body.return_token_ids, body.model
-
-        def chunk(delta: RequestDelta, first_chunk: bool = False) -> bytes:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(delta)}
-            if chat:
-                choice["delta"] = (
-                    {"role": "assistant", "content": delta.text} if first_chunk else {"content": delta.text}
-                )
-            else:
-                choice["text"] = delta.text
-            if token_ids:
-                choice["token_ids"] = delta.token_ids
-            payload: dict[str, Any] = {
-                "id": response_id,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            if first_chunk and token_ids:
-                payload["prompt_token_ids"] = handle.prompt_token_ids
-            if include_usage:
-                payload["usage"] = None
-            return _sse(payload)
-
+        events = SseEvents(
+            response_id,
+            body.model,
+            chat=chat,
+            include_usage=body.include_usage,
+            prompt_token_ids=handle.prompt_token_ids if body.return_token_ids else None,
+        )
         try:
             relay_delay, clock = metrics.relay_delay, time.perf_counter
-            data = chunk(first, first_chunk=True)
+            data = events.first(first)
             if first.arrived:
                 relay_delay.observe(clock() - first.arrived)
             yield data
             if not first.finished:
+                event = events.event
                 async for delta in deltas:
-                    data = chunk(delta)
+                    data = event(delta)
                     if delta.arrived:
                         relay_delay.observe(clock() - delta.arrived)
                     yield data
-            if include_usage:
-                yield _sse(
-                    {
-                        "id": response_id,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": _usage(handle),
-                    }
-                )
+            if body.include_usage:
+                yield events.usage(_usage(handle))
             yield b"data: [DONE]\n\n"
         except RouterError as exc:
             logger.warning("request %s failed while streaming: %s", handle.request_id, exc.message)
