@@ -260,8 +260,8 @@ class Stream:
     error: str = ""
 
 
-async def aiohttp_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> Stream:
-    body = {
+def request_body(prompt: list[int], tokens: int) -> dict[str, object]:
+    return {
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": tokens,
@@ -269,6 +269,20 @@ async def aiohttp_stream(session: aiohttp.ClientSession, url: str, prompt: list[
         "temperature": 0,
         "stream_options": {"include_usage": True},
     }
+
+
+def take_event(out: Stream, event: bytes, now: float) -> None:
+    """Count one SSE event (its ``data: ...`` line) that arrived at ``now``."""
+    if not event.startswith(b"data: {"):
+        return
+    if b'"choices":[]' in event:
+        out.tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+    else:
+        out.times.append(now)
+
+
+async def aiohttp_stream(session: aiohttp.ClientSession, url: str, prompt: list[int], tokens: int) -> Stream:
+    body = request_body(prompt, tokens)
     out = Stream()
     clock = time.perf_counter
     try:
@@ -277,12 +291,7 @@ async def aiohttp_stream(session: aiohttp.ClientSession, url: str, prompt: list[
                 out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return out
             async for line in response.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                if b'"choices":[]' in line:
-                    out.tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-                else:
-                    out.times.append(clock())
+                take_event(out, line, clock())
     except aiohttp.ClientError as exc:
         out.error = repr(exc)
     if not out.error and out.tokens != tokens:
@@ -323,12 +332,7 @@ class SseClient(asyncio.Protocol):
         events = (self._pending + body).split(b"\n\n")
         self._pending = events.pop()
         for event in events:
-            if not event.startswith(b"data: {"):
-                continue
-            if b'"choices":[]' in event:
-                out.tokens = json.loads(event[6:])["usage"]["completion_tokens"]
-            else:
-                out.times.append(now)
+            take_event(out, event, now)
 
     def on_message_complete(self) -> None:
         self._transport.close()
@@ -347,16 +351,7 @@ class SseClient(asyncio.Protocol):
 
 
 async def lean_stream(url: str, prompt: list[int], tokens: int) -> Stream:
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": tokens,
-            "stream": True,
-            "temperature": 0,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+    body = json.dumps(request_body(prompt, tokens)).encode()
     address = urllib.parse.urlsplit(url)
     request = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
