@@ -284,10 +284,9 @@ class _Gate:
                 await refusal(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = caller
-        # For the events of a streamed response (``_EventStream``), unless ``with_server_send``
-        # left the server's own: the wrappers between here and the route act on a response's
-        # start alone.
-        scope.setdefault("state", {}).setdefault("body_send", send)
+        # For the events of a streamed response (``_EventStream``): the wrappers between here
+        # and the route act on a response's start alone.
+        scope.setdefault("state", {})["body_send"] = send
 
         def counted(message: Message) -> Awaitable[None]:
             # A plain function handing back ``send``'s awaitable: no coroutine of its own for
@@ -300,27 +299,13 @@ class _Gate:
         await self.app(scope, receive, counted)
 
 
-def with_server_send(app: ASGIApp) -> ASGIApp:
-    """``app`` behind a layer that leaves the server's own ``send`` in each HTTP request's
-    state, for the events of streamed responses (``_EventStream``): Starlette puts its error
-    middleware outside every middleware of the app, the gate's included."""
-
-    async def outermost(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["body_send"] = send
-        await app(scope, receive, send)
-
-    return outermost
-
-
 class _EventStream(StreamingResponse):
-    """A streamed SSE response whose events go straight to the server's ``send``
-    (``with_server_send``), or else to the one the gate was given.
+    """A streamed SSE response whose events go straight to the ``send`` the gate was given.
 
-    Between the server and the route, Starlette's error middleware, its two exception handlers
-    and the gate's counter each wrap ``send``, and each acts only on the response's start;
-    passing every event through them cost about 1 us of the router's CPU per event. The start
-    and the end of the response still go through them."""
+    Between the gate and the route, Starlette's two exception handlers and the gate's counter
+    each wrap ``send``, and each acts only on the response's start; passing every event
+    through them cost about 1 us of the router's CPU per event. The start and the end of the
+    response still go through them."""
 
     def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], body_send: Send | None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
