@@ -38,6 +38,15 @@ def test_a_key_line_may_carry_its_own_limits() -> None:
     assert keys["2" * 64] == ApiKey("bob", tokens_per_minute=500)
 
 
+def test_a_key_line_may_grant_priority_requests() -> None:
+    text = "ops " + "1" * 64 + " priority=-10 rpm=5\nbatch " + "2" * 64 + " priority=3\nbob " + "3" * 64
+    keys = parse_keys(text)
+    assert keys["1" * 64] == ApiKey("ops", requests_per_minute=5, min_priority=-10)
+    # A positive bound would take away even the default priority: it means no priority requests.
+    assert keys["2" * 64].min_priority == 0
+    assert keys["3" * 64].min_priority == 0
+
+
 @pytest.mark.parametrize(
     ("text", "line"),
     [
@@ -47,6 +56,7 @@ def test_a_key_line_may_carry_its_own_limits() -> None:
         ("a b " + "0" * 64, 1),
         ("alice " + "0" * 64 + " rpm=ten\n", 1),
         ("alice " + "0" * 64 + " qps=5\n", 1),
+        ("alice " + "0" * 64 + " priority=high\n", 1),
     ],
 )
 def test_bad_lines_are_refused_by_number(text: str, line: int) -> None:

@@ -5,6 +5,7 @@
     RouterError
     ├── InvalidRequestError        400 invalid_request_error (names the field in ``param``)
     │   └── ContextLengthError     400 (prompt + max_tokens over the model's limit)
+    ├── PriorityNotAllowedError    403 permission_error (the API key may not ask for it)
     ├── ModelNotFoundError         404 not_found_error
     ├── TooManyRequestsError       429 rate_limit_error
     ├── ServiceUnavailableError    503 service_unavailable (with Retry-After)
@@ -54,6 +55,19 @@ class ContextLengthError(InvalidRequestError):
             "completion). Please shorten the prompt or lower max_tokens.",
             param="max_tokens" if prompt_tokens < max_model_len else "messages",
             code="context_length_exceeded",
+        )
+
+
+class PriorityNotAllowedError(RouterError):
+    status_code = 403
+    error_type = "permission_error"
+
+    def __init__(self, key: str, asked: int, allowed: int) -> None:
+        super().__init__(
+            f"API key {key!r} may not ask for priority {asked}: its most urgent is {allowed} "
+            "(lower is more urgent; a key's line in the keys file grants it with priority=-N)",
+            param="priority",
+            code="priority_not_allowed",
         )
 
 

@@ -30,7 +30,12 @@ from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, 
 from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
 from shoal_router.core.ratelimit import ApiKey, RateLimiter
-from shoal_router.errors import RouterError, ServiceUnavailableError, TooManyRequestsError
+from shoal_router.errors import (
+    PriorityNotAllowedError,
+    RouterError,
+    ServiceUnavailableError,
+    TooManyRequestsError,
+)
 from shoal_router.ipc.tokenizing import TokenizerClient
 from shoal_router.metrics import RouterMetrics
 
@@ -198,12 +203,13 @@ _ERRORS = {
     400: "Invalid request: malformed JSON, a bad or unsupported field (named in `param`), or a "
     "prompt plus `max_tokens` over the model's context",
     401: "Missing or unknown API key (when the router has a keys file)",
+    403: "The API key may not ask for this `priority` (when the router has a keys file)",
     404: "Unknown model",
     429: "The router is full, or the API key is over its rate limit (see `Retry-After`)",
     502: "The engine failed the request before its first token and no other engine could take it",
     503: "No engine serves the model right now, or the tokenizer is unreachable (see `Retry-After`)",
 }
-_GENERATION_ERRORS = (400, 401, 404, 429, 502, 503)
+_GENERATION_ERRORS = (400, 401, 403, 404, 429, 502, 503)
 
 
 def _openapi_document(app: FastAPI, keys_on: bool) -> dict[str, Any]:
@@ -407,6 +413,8 @@ def create_app(
             ignore_eos=body.ignore_eos,
         )
         caller: ApiKey | None = getattr(request.state, "api_key", None)
+        if caller is not None and body.priority < caller.min_priority:
+            raise PriorityNotAllowedError(caller.name, body.priority, caller.min_priority)
         charge = None
         if caller is not None and rate_limiter is not None:
             try:

@@ -2,7 +2,9 @@
 
 Keys are never stored: a keys file holds one line per key, ``NAME SHA256_HEX`` (the SHA-256 of
 the key, hex), optionally followed by the key's own rate limits ``rpm=N`` (requests per minute)
-and ``tpm=N`` (prompt plus output tokens per minute), with ``#`` comments. A request's
+and ``tpm=N`` (prompt plus output tokens per minute) and by ``priority=-N``, the most urgent
+``priority`` its requests may ask for (without it, none below 0: priority requests are for the
+keys given the right), with ``#`` comments. A request's
 ``Authorization: Bearer <key>`` is hashed and looked up; the name it maps to is the caller's
 identity. The file is read again when it changes (a Kubernetes Secret mounted as a file is
 updated in place), and a file that cannot be read or parsed keeps the last good set of keys (and
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _LINE = re.compile(
     r"(?P<name>[A-Za-z0-9_.@:\-]{1,128})\s+(?P<digest>[0-9a-f]{64})"
-    r"(?P<limits>(?:\s+(?:rpm|tpm)=[0-9]{1,12})*)"
+    r"(?P<limits>(?:\s+(?:(?:rpm|tpm)=[0-9]{1,12}|priority=-?[0-9]{1,10}))*)"
 )
 
 
@@ -44,13 +46,15 @@ def parse_keys(text: str) -> dict[str, ApiKey]:
         match = _LINE.fullmatch(line)
         if match is None:
             raise ValueError(
-                f"line {number}: want NAME SHA256_HEX (64 lowercase hex digits), then optionally rpm=N tpm=N"
+                f"line {number}: want NAME SHA256_HEX (64 lowercase hex digits), then optionally "
+                "rpm=N tpm=N priority=-N"
             )
         limits = dict(part.split("=") for part in match["limits"].split())
         keys[match["digest"]] = ApiKey(
             match["name"],
             int(limits["rpm"]) if "rpm" in limits else None,
             int(limits["tpm"]) if "tpm" in limits else None,
+            min(0, int(limits.get("priority", 0))),
         )
     return keys
 

@@ -23,11 +23,13 @@ from shoal_router.errors import TooManyRequestsError
 
 @dataclass(frozen=True, slots=True)
 class ApiKey:
-    """A caller: its key's name and its own limits (None: the router's default)."""
+    """A caller: its key's name and its own limits (None: the router's default), and the most
+    urgent ``priority`` it may ask for (lower is more urgent; 0: no priority requests)."""
 
     name: str
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    min_priority: int = 0
 
 
 @dataclass(slots=True)
