@@ -654,17 +654,14 @@ def main() -> None:
                     f"  starting {args.engines} engines and {routers} router(s) for {streams} streams",
                     flush=True,
                 )
-                folder = Path(tmp) / f"r{routers}-s{streams}"
-                folder.mkdir()
+                folder = Path(tempfile.mkdtemp(prefix=f"r{routers}-s{streams}-", dir=tmp))
                 rows.append(measure(args, routers, streams, folder))
                 if args.baseline_src:
-                    folder = Path(tmp) / f"baseline-r{routers}-s{streams}"
-                    folder.mkdir()
+                    folder = Path(tempfile.mkdtemp(prefix=f"baseline-r{routers}-s{streams}-", dir=tmp))
                     baseline_rows.append(measure(args, routers, streams, folder, args.baseline_src))
             if not args.no_vllm_router:
                 print(f"  the same with vllm-router in front of one router, {streams} streams", flush=True)
-                folder = Path(tmp) / f"front-s{streams}"
-                folder.mkdir()
+                folder = Path(tempfile.mkdtemp(prefix=f"front-s{streams}-", dir=tmp))
                 tokens_each = max(4 * args.tokens, tokens_for(args, streams))
                 front_rows.append(measure(args, 1, streams, folder, front=True, tokens_each=tokens_each))
     if baseline_rows:
