@@ -192,11 +192,25 @@ def test_partial_block_goes_only_for_a_held_request(pair: Pair) -> None:
     assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (2, 1)
     assert sent.tokens_written == BLOCK + 2
     # vLLM finishes the (aborted) request but keeps its blocks while it is held.
-    pair.source.update_tables([], ["r"])
+    pair.source.update_tables([], ["r"], kept=["r-vllm"])
     assert pair.source.finished_sending(["r-vllm"]) == set()
     assert pair.call("source", kv.Release("r")) is None
     # Released: vLLM may free the blocks now.
     assert pair.source.finished_sending([]) == {"r-vllm"}
+
+
+def test_a_held_request_that_finished_on_its_own_releases_nothing(pair: Pair) -> None:
+    """Its last token came between the hold and the stop: vLLM freed its blocks at once (only
+    aborted requests' are kept), so the release must not name it to vLLM (which would be an
+    error there, fatal to the engine core)."""
+    _run(pair.source, "r", [1, 2], tokens=BLOCK + 2)
+    assert pair.call("source", kv.Hold("r")) is None
+    pair.source.update_tables([], ["r"], kept=[])
+    assert pair.source.finished_sending([]) == set()
+    assert pair.call("source", kv.Release("r")) is None
+    assert pair.source.finished_sending([]) == set()
+    status = pair.call("source", kv.AgentStatus())
+    assert isinstance(status, kv.Status) and status.tracked_requests == 0
 
 
 def test_request_preempted_during_a_send_fails_it(pair: Pair) -> None:

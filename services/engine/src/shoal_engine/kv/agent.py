@@ -168,8 +168,17 @@ class KvAgent:
     # ---- called by the connector on the worker's main thread ------------------------------
 
     def update_tables(
-        self, updates: list[TableUpdate], finished: list[str], preempted: list[str] | None = None
+        self,
+        updates: list[TableUpdate],
+        finished: list[str],
+        preempted: list[str] | None = None,
+        kept: list[str] | None = None,
     ) -> None:
+        """One step's block tables. ``finished``: Shoal ids of requests vLLM finished; ``kept``:
+        the vLLM ids among them whose blocks vLLM keeps until ``finished_sending`` names them
+        (aborted requests). A held request that finished otherwise (its last token came before
+        the stop) has no blocks left to release: vLLM freed them, and naming it would be an error
+        there."""
         with self._lock:
             for request_id in preempted or ():
                 table = self._tables.get(request_id)
@@ -178,9 +187,10 @@ class KvAgent:
                     table.block_ids, table.tokens_written = [], 0
                     table.epoch += 1
             # Finished first: a request that left and came back in one step has a new table.
+            kept_ids = set(kept or ())
             for request_id in finished:
                 table = self._tables.get(request_id)
-                if table is not None and request_id in self._holds:
+                if table is not None and request_id in self._holds and table.vllm_id in kept_ids:
                     table.stopped = True  # vLLM keeps its blocks until we release them
                 else:
                     self._tables.pop(request_id, None)

@@ -209,7 +209,7 @@ class ShoalConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self._agent is None or not isinstance(meta, ShoalConnectorMetadata):
             return
-        self._agent.update_tables(meta.updates, meta.finished, meta.preempted)
+        self._agent.update_tables(meta.updates, meta.finished, meta.preempted, meta.delayed)
         for load in meta.loads:
             self._agent.inject(load)
 
