@@ -193,8 +193,15 @@ class RunningFleet:
             channel.close()
         self.channels.clear()
 
-    def migrate(self, request_id: str, source: str, target: str = "") -> pb.MigrationResult:
-        request = pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin")
+    def migrate(
+        self, request_id: str, source: str, target: str = "", mode: int = pb.PRECOPY
+    ) -> pb.MigrationResult:
+        request = pb.MigrateRequest(
+            request_id=request_id,
+            target_engine_id=target,
+            reason="admin",
+            mode=mode,  # type: ignore[arg-type]
+        )
         result: pb.MigrationResult = self.control(source).Migrate(request, timeout=60)
         return result
 

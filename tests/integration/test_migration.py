@@ -113,8 +113,10 @@ class Mover:
     leaves unscheduled for a few seconds falls further behind: a move that finds the request
     already finished (GONE) ends the moving, and the test streams again."""
 
-    def __init__(self, fleet: RunningFleet, times: int, every: int = 1, first: int = 1) -> None:
-        self.fleet, self.times, self.every, self.first = fleet, times, every, first
+    def __init__(
+        self, fleet: RunningFleet, times: int, every: int = 1, first: int = 1, mode: int = pb.PRECOPY
+    ) -> None:
+        self.fleet, self.times, self.every, self.first, self.mode = fleet, times, every, first, mode
         self.results: list[pb.MigrationResult] = []
         self.gone = False
 
@@ -129,7 +131,7 @@ class Mover:
 
     def _move(self, out: Streamed) -> None:
         owner = self.results[-1].target_engine_id if self.results else out.first_engine
-        result = self.fleet.migrate(out.request_id, owner, _other(owner))
+        result = self.fleet.migrate(out.request_id, owner, _other(owner), self.mode)
         if result.outcome == pb.GONE and "not running here" in result.detail:
             self.gone = True
             return
@@ -141,9 +143,23 @@ class Mover:
         return self.results
 
 
-@pytest.mark.parametrize("times", [1, 2, 5])
-@pytest.mark.parametrize("model", ["tiny", "smol"])
-def test_stream_moved_matches_unmoved(request: pytest.FixtureRequest, model: str, times: int) -> None:
+@pytest.mark.parametrize(
+    ("model", "times", "mode"),
+    [
+        ("tiny", 1, pb.PRECOPY),
+        ("tiny", 2, pb.PRECOPY),
+        ("tiny", 5, pb.PRECOPY),
+        ("smol", 1, pb.PRECOPY),
+        ("smol", 2, pb.PRECOPY),
+        ("smol", 5, pb.PRECOPY),
+        # Without the target's warm-up: the commit loads every pre-copied block.
+        ("smol", 2, pb.PRECOPY_UNWARMED),
+    ],
+    ids=["tiny-1", "tiny-2", "tiny-5", "smol-1", "smol-2", "smol-5", "smol-2-unwarmed"],
+)
+def test_stream_moved_matches_unmoved(
+    request: pytest.FixtureRequest, model: str, times: int, mode: int
+) -> None:
     fleet: RunningFleet = request.getfixturevalue(f"{model}_fleet")
     if model == "smol":
         prompt: list[int] | str = (
@@ -157,7 +173,7 @@ def test_stream_moved_matches_unmoved(request: pytest.FixtureRequest, model: str
     assert len(ref_text) > 200
     # A stream that finished before its last move is still checked, and the moves tried again.
     for _attempt in range(5):
-        mover = Mover(fleet, times, every, first)
+        mover = Mover(fleet, times, every, first, mode)
         got = stream(fleet, prompt, length, mover)
         # No gap and no duplicate: the same tokens and text as the request that never moved.
         assert got.token_ids == ref_ids
@@ -171,10 +187,19 @@ def test_stream_moved_matches_unmoved(request: pytest.FixtureRequest, model: str
         if not mover.gone:
             break
     got.moves = mover.join()
+    status = fleet.agent(got.first_engine, kv.AgentStatus())
+    assert isinstance(status, kv.Status)
     for move in got.moves:
         # Every token's KV but the last sampled one's went over; the target recomputed nothing else.
         assert move.kv_tokens >= move.total_tokens - 1 > 0
         assert move.bytes > 0 and move.stages >= 1
+        # Warmed: the target took the pre-copied whole blocks into its prefix cache before the
+        # stop (a move of less than a block and a few tokens had none to pre-copy).
+        if mode == pb.PRECOPY and move.kv_tokens >= status.block_size + 8:
+            assert 0 < move.warm_tokens < move.kv_tokens, move
+            assert move.warm_tokens % status.block_size == 0, move
+        elif mode != pb.PRECOPY:
+            assert move.warm_tokens == 0, move
 
 
 class _CheckedError(Exception):
@@ -206,6 +231,10 @@ def test_staged_and_injected_kv_equal_the_source_bytes(smol_fleet: RunningFleet)
         assert smol_fleet.agent(target, kv.FreeStaging(migration_id="bytes-check")) is None
         result = smol_fleet.migrate(out.request_id, source, target)
         assert result.outcome == pb.MIGRATED, result
+        # The blocks read below came in by the warm-up, through the target's prefix cache.
+        status = smol_fleet.agent(target, kv.AgentStatus())
+        assert isinstance(status, kv.Status)
+        assert result.warm_tokens >= sent.blocks * status.block_size, result
         out.moves.append(result)
         read = kv.ReadBlocks(request_id=out.request_id, first_block=0, num_blocks=sent.blocks)
 
@@ -369,6 +398,7 @@ def test_migration_is_recorded_in_redis_and_metrics(smol_fleet: RunningFleet) ->
         move.target_engine_id,
     )
     assert record.bytes == move.bytes > 0 and record.stages == move.stages
+    assert record.warm_tokens == move.warm_tokens
     recent = [m.decode() for m in smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 20)]
     assert move.migration_id in recent
     # The target adds the gap its client saw once its first token is out.

@@ -12,6 +12,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRECOPY: _ClassVar[Mode]
     STOP_AND_COPY: _ClassVar[Mode]
     RECOMPUTE: _ClassVar[Mode]
+    PRECOPY_UNWARMED: _ClassVar[Mode]
 
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PRECOPY: Mode
 STOP_AND_COPY: Mode
 RECOMPUTE: Mode
+PRECOPY_UNWARMED: Mode
 OUTCOME_UNSPECIFIED: Outcome
 MIGRATED: Outcome
 REFUSED: Outcome
@@ -42,7 +44,7 @@ class MigrateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms")
+    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class MigrationResult(_message.Message):
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    WARM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     source_engine_id: str
@@ -71,7 +74,8 @@ class MigrationResult(_message.Message):
     total_tokens: int
     downtime_ms: float
     duration_ms: float
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+    warm_tokens: int
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_s", "leave_rotation", "rejoin_after_s")
@@ -134,6 +138,24 @@ class PrepareReply(_message.Message):
     kv_address: str
     staging_ttl_s: float
     def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., kv_address: _Optional[str] = ..., staging_ttl_s: _Optional[float] = ...) -> None: ...
+
+class WarmRequest(_message.Message):
+    __slots__ = ("migration_id", "token_ids", "kv_tokens")
+    MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    migration_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_tokens: int
+    def __init__(self, migration_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
+
+class WarmReply(_message.Message):
+    __slots__ = ("warmed", "detail")
+    WARMED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    warmed: bool
+    detail: str
+    def __init__(self, warmed: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("migration_id", "add_request", "kv_tokens", "last_output_at")

@@ -54,6 +54,11 @@ class EngineControlStub:
                 request_serializer=shoal__protos_dot_engine__control__pb2.PrepareRequest.SerializeToString,
                 response_deserializer=shoal__protos_dot_engine__control__pb2.PrepareReply.FromString,
                 _registered_method=True)
+        self.WarmMigration = channel.unary_unary(
+                '/shoal.engine.v1.EngineControl/WarmMigration',
+                request_serializer=shoal__protos_dot_engine__control__pb2.WarmRequest.SerializeToString,
+                response_deserializer=shoal__protos_dot_engine__control__pb2.WarmReply.FromString,
+                _registered_method=True)
         self.CommitMigration = channel.unary_unary(
                 '/shoal.engine.v1.EngineControl/CommitMigration',
                 request_serializer=shoal__protos_dot_engine__control__pb2.CommitRequest.SerializeToString,
@@ -98,6 +103,15 @@ class EngineControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WarmMigration(self, request, context):
+        """Engine to engine, after pre-copy and before the stop: run the context staged so far into
+        the target's prefix cache (its KV loaded, not recomputed), so that the commit has only the
+        last blocks to load. Returns once that is done; a refusal or failure costs the move nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitMigration(self, request, context):
         """Engine to engine: admit a stopped request with its staged KV and token state.
         """
@@ -134,6 +148,11 @@ def add_EngineControlServicer_to_server(servicer, server):
                     servicer.PrepareMigration,
                     request_deserializer=shoal__protos_dot_engine__control__pb2.PrepareRequest.FromString,
                     response_serializer=shoal__protos_dot_engine__control__pb2.PrepareReply.SerializeToString,
+            ),
+            'WarmMigration': grpc.unary_unary_rpc_method_handler(
+                    servicer.WarmMigration,
+                    request_deserializer=shoal__protos_dot_engine__control__pb2.WarmRequest.FromString,
+                    response_serializer=shoal__protos_dot_engine__control__pb2.WarmReply.SerializeToString,
             ),
             'CommitMigration': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitMigration,
@@ -254,6 +273,33 @@ class EngineControl:
             '/shoal.engine.v1.EngineControl/PrepareMigration',
             shoal__protos_dot_engine__control__pb2.PrepareRequest.SerializeToString,
             shoal__protos_dot_engine__control__pb2.PrepareReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WarmMigration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.engine.v1.EngineControl/WarmMigration',
+            shoal__protos_dot_engine__control__pb2.WarmRequest.SerializeToString,
+            shoal__protos_dot_engine__control__pb2.WarmReply.FromString,
             options,
             channel_credentials,
             insecure,

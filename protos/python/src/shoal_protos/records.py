@@ -96,6 +96,8 @@ class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     bytes: int = 0
     blocks: int = 0
     kv_tokens: int = 0
+    # Of those, the leading tokens the target took into its prefix cache before the stop.
+    warm_tokens: int = 0
     total_tokens: int = 0
     downtime_ms: float = 0.0
     duration_ms: float = 0.0

@@ -135,6 +135,12 @@ class EngineConfig(BaseModel):
     that decode, a pace trades a longer migration for less slowdown of the other requests; the
     last stage, after the stop, always goes at full speed."""
 
+    migration_warm: bool = True
+    """After pre-copy and before the stop, the target runs the context staged so far through vLLM
+    for one dropped token, its KV loaded from staging: the blocks then wait in vLLM's prefix
+    cache and the commit loads only the blocks after them, so the stall no longer grows with
+    the context's KV (vLLM backend only)."""
+
     migration_step_timeout_s: float = Field(default=10.0, gt=0.0)
     """Deadline of each migration step (prepare, a stage, commit)."""
 

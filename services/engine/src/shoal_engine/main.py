@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "--migration-precopy-mib-per-s", type=int, default=0, help="pace pre-copy stages (0: unpaced)"
     )
     parser.add_argument(
+        "--no-migration-warm",
+        dest="migration_warm",
+        action="store_false",
+        help="load a moving request's whole KV at the commit, not its pre-copied blocks before the stop",
+    )
+    parser.add_argument(
         "--zmq-curve-key-file",
         help="the fleet's CURVE key file (encrypted frames, members only)",
     )
@@ -124,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         migration_max_stages=args.migration_max_stages,
         migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,
         migration_precopy_mib_per_s=args.migration_precopy_mib_per_s,
+        migration_warm=args.migration_warm,
         migration_step_timeout_s=args.migration_step_timeout,
         zmq_curve_key_file=args.zmq_curve_key_file,
         backend=args.backend,

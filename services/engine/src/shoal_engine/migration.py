@@ -44,6 +44,7 @@ import zmq
 import zmq.asyncio
 from redis.exceptions import RedisError
 
+from shoal_engine.backend import BackendRequestError
 from shoal_engine.config import EngineConfig
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.serving import EngineService, StoppedRequest
@@ -250,7 +251,7 @@ class MigrationManager:
             pace = config.migration_precopy_mib_per_s << 20
             # A paced stage sends what fits in half a step deadline; later stages send the rest.
             stage_blocks = max(1, int(pace * timeout / 2) // status.bytes_per_block) if pace else 1 << 30
-            while mode == pb.PRECOPY:
+            while mode in (pb.PRECOPY, pb.PRECOPY_UNWARMED):
                 sent = await self._agent.call(
                     kv.SendBlocks(
                         request_id=request_id,
@@ -273,6 +274,10 @@ class MigrationManager:
                     or result.stages >= config.migration_max_stages
                 ):
                     break
+            if mode == pb.PRECOPY and next_block and config.migration_warm and config.backend == "vllm":
+                result.warm_tokens = await self._warm(
+                    stub, result.migration_id, request_id, next_block, block
+                )
             # Stop right after an output with the blocks kept, send what is left (the last
             # block partly filled) at once, then let vLLM free them.
             await self._agent.call(kv.Hold(request_id=request_id, hold_s=timeout))
@@ -329,6 +334,41 @@ class MigrationManager:
             if stopped is not None:
                 self._resume_here(stopped)
             raise
+
+    async def _warm(
+        self,
+        stub: pb_grpc.EngineControlStub,
+        migration_id: str,
+        request_id: str,
+        staged_blocks: int,
+        block: int,
+    ) -> int:
+        """Have the target take the staged blocks into its prefix cache before the stop; the
+        tokens it took, or 0 (then the commit loads them all, as without a warm-up). The token
+        ids this service has seen can trail the KV vLLM wrote (its outputs reach this event loop
+        later): then only the whole blocks of the ids at hand go, one token short of them."""
+        ids = self._service.token_ids_of(request_id)
+        if ids is None:
+            return 0
+        kv_tokens = min(staged_blocks, (len(ids) - 1) // block) * block
+        if kv_tokens <= 0:
+            return 0
+        try:
+            reply = await stub.WarmMigration(
+                pb.WarmRequest(
+                    migration_id=migration_id, token_ids=ids[: kv_tokens + 1], kv_tokens=kv_tokens
+                ),
+                timeout=self._config.migration_step_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning(
+                "migration %s: no warm-up on the target: %s", migration_id, exc.details() or exc.code()
+            )
+            return 0
+        if not reply.warmed:
+            logger.info("migration %s: no warm-up on the target: %s", migration_id, reply.detail)
+            return 0
+        return kv_tokens
 
     def _resume_here(self, stopped: StoppedRequest) -> None:
         """The target failed after the stop: run the request on here, after its tokens."""
@@ -494,7 +534,8 @@ class MigrationManager:
         self._history.appendleft(result)
         log = logger.info if outcome == pb.MIGRATED else logger.warning
         log(
-            "migration %s of %s to %s: %s%s (%d stages, %d bytes, downtime %.1f ms, %.1f ms in all)",
+            "migration %s of %s to %s: %s%s (%d stages, %d bytes, %d tokens warm, downtime %.1f ms, "
+            "%.1f ms in all)",
             result.migration_id,
             result.request_id,
             result.target_engine_id or "?",
@@ -502,6 +543,7 @@ class MigrationManager:
             f" ({detail})" if detail else "",
             result.stages,
             result.bytes,
+            result.warm_tokens,
             result.downtime_ms,
             result.duration_ms,
         )
@@ -521,6 +563,7 @@ class MigrationManager:
             bytes=result.bytes,
             blocks=result.blocks,
             kv_tokens=result.kv_tokens,
+            warm_tokens=result.warm_tokens,
             total_tokens=result.total_tokens,
             downtime_ms=result.downtime_ms,
             duration_ms=result.duration_ms,
@@ -598,6 +641,31 @@ class MigrationManager:
             await self._agent.call(kv.FreeStaging(migration_id=migration_id))
         except MigrationError as exc:
             logger.warning("could not free staging of %s: %s", migration_id, exc)
+
+    async def warm(self, request: pb.WarmRequest) -> pb.WarmReply:
+        """Run the staged context for one dropped token with its KV loaded (``keep``: the staging
+        stays for the commit); its blocks then wait in vLLM's prefix cache for the commit's
+        request, which loads only the blocks after them. Should they be evicted in between, the
+        commit loads them from the staging area after all."""
+        if request.migration_id not in self._reserved:
+            return pb.WarmReply(
+                warmed=False, detail="no such migration here (cancelled, or its time ran out)"
+            )
+        if self._config.backend != "vllm" or not self._config.migration_warm:
+            return pb.WarmReply(warmed=False, detail="no warm-up on this engine")
+        if not 0 < request.kv_tokens < len(request.token_ids):
+            return pb.WarmReply(warmed=False, detail="kv_tokens must leave at least one token to compute")
+        load = {"migration": request.migration_id, "tokens": request.kv_tokens, "keep": True}
+        try:
+            await asyncio.wait_for(
+                self._service.prefill(
+                    f"warm-{request.migration_id}", list(request.token_ids), {"load": load}
+                ),
+                self._config.migration_step_timeout_s,
+            )
+        except (BackendRequestError, TimeoutError) as exc:
+            return pb.WarmReply(warmed=False, detail=f"{type(exc).__name__}: {exc}")
+        return pb.WarmReply(warmed=True)
 
     async def commit(self, request: pb.CommitRequest) -> pb.CommitReply:
         reservation = self._reserved.pop(request.migration_id, None)
@@ -710,6 +778,11 @@ class EngineControlServicer(pb_grpc.EngineControlServicer):
         self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrepareReply:
         return await self._manager.prepare(request)
+
+    async def WarmMigration(  # noqa: N802 (gRPC method name)
+        self, request: pb.WarmRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WarmReply:
+        return await self._manager.warm(request)
 
     async def CommitMigration(  # noqa: N802 (gRPC method name)
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext

@@ -39,6 +39,7 @@ from shoal_protos.messages import (
     OutputBatch,
     PieceError,
     RequestPiece,
+    SamplingOptions,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,26 @@ class EngineService:
         if running is None or running.migrating:
             return None
         return len(running.add.prompt_token_ids) + len(running.output_ids)
+
+    def token_ids_of(self, request_id: str) -> list[int] | None:
+        """Prompt plus output token ids of a running request (None when it is not running here)."""
+        running = self._running.get(request_id)
+        if running is None or running.migrating:
+            return None
+        return running.add.prompt_token_ids + running.output_ids
+
+    async def prefill(self, request_id: str, token_ids: list[int], kv_params: dict[str, object]) -> None:
+        """Run ``token_ids`` through the backend for one token, dropped: no request of the
+        fleet's, nothing sent to a router. A migration's warm-up (its KV loaded from staging
+        by ``kv_params``) leaves the context in the backend's prefix cache."""
+        stream = self._backend.generate(
+            request_id, token_ids, SamplingOptions(max_tokens=1, temperature=0.0), kv_params
+        )
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()
 
     def moved_to(self, request_id: str) -> str | None:
         """The engine a request that left this one went to, if it is remembered."""

@@ -92,6 +92,8 @@ class Load:
     first_block: int
     # The request's block ids for blocks first_block, first_block + 1, ...
     block_ids: list[int]
+    # Leave the staged blocks staged: a warm-up load, the commit's load comes later.
+    keep: bool = False
 
 
 class KvAgent:
@@ -211,15 +213,30 @@ class KvAgent:
 
     def inject(self, load: Load) -> int:
         """Copy staged blocks of ``load.migration_id`` into the request's blocks; returns the
-        number of blocks loaded. Blocks with no staged data are reported as load errors."""
+        number of blocks loaded. Blocks with no staged data are reported as load errors. The
+        staging area is freed after, unless ``load.keep`` (a warm-up: the commit's load follows;
+        the copy then runs under the lock, so that a cancel cannot free the area under it)."""
         started = time.perf_counter()
-        with self._lock:
-            staged = self._staging.pop(load.migration_id, None)
-        try:
-            done = self._inject(load, staged)
-        finally:
-            if staged is not None:
-                self._give_back(staged)
+        if load.keep:
+            with self._lock:
+                done, missing = self._inject(load, self._staging.get(load.migration_id))
+        else:
+            with self._lock:
+                staged = self._staging.pop(load.migration_id, None)
+            try:
+                done, missing = self._inject(load, staged)
+            finally:
+                if staged is not None:
+                    self._give_back(staged)
+        if missing:
+            logger.warning(
+                "migration %s: %d of %d blocks were not staged; vLLM recomputes them",
+                load.migration_id,
+                len(missing),
+                len(load.block_ids),
+            )
+            with self._lock:
+                self._load_errors.update(missing)
         logger.info(
             "migration %s: injected %d blocks in %.1f ms",
             load.migration_id,
@@ -228,7 +245,8 @@ class KvAgent:
         )
         return done
 
-    def _inject(self, load: Load, staged: _Staged | None) -> int:
+    def _inject(self, load: Load, staged: _Staged | None) -> tuple[int, list[int]]:
+        """Blocks copied, and the block ids of those with nothing staged."""
         wanted = range(load.first_block, load.first_block + len(load.block_ids))
         done: set[int] = set()
         if staged is not None:
@@ -243,16 +261,7 @@ class KvAgent:
                         tensor[dst : dst + n].copy_(staged_layer[src : src + n])
                 done.update(picks)
         missing = [load.block_ids[b - load.first_block] for b in wanted if b not in done]
-        if missing:
-            logger.warning(
-                "migration %s: %d of %d blocks were not staged; vLLM recomputes them",
-                load.migration_id,
-                len(missing),
-                len(wanted),
-            )
-            with self._lock:
-                self._load_errors.update(missing)
-        return len(done)
+        return len(done), missing
 
     def finished_sending(self, delayed: list[str]) -> set[str]:
         """vLLM ids whose blocks vLLM may free now: of the requests it finished with their

@@ -10,7 +10,10 @@ Scheduler side, every step (``build_connector_meta``):
   * loads: a request arriving by migration carries ``{"load": {"migration": M, "tokens": T}}``;
     ``get_num_new_matched_tokens`` claims its first ``T`` tokens (never the last one, which
     vLLM must compute; less what the local prefix cache has), and once vLLM has allocated the
-    blocks the metadata tells the worker which staged blocks go where.
+    blocks the metadata tells the worker which staged blocks go where. A warm-up before the
+    stop (``"keep": True``, the migration's context so far, one output token) loads them
+    without freeing the staging area; its blocks stay in vLLM's prefix cache, so the commit's
+    request finds them there and loads only the blocks after them.
 
   * an aborted request's blocks are kept (``request_finished`` says so) until the worker
     reports them free: a migration stops its request with an abort, then copies its last,
@@ -72,6 +75,7 @@ class _PendingLoad:
     migration_id: str
     first_block: int
     last_block: int
+    keep: bool
 
 
 class ShoalConnector(KVConnectorBase_V1):
@@ -123,6 +127,7 @@ class ShoalConnector(KVConnectorBase_V1):
             str(load["migration"]),
             local // self._block_size,
             -(-end // self._block_size),  # the last, partly filled block too
+            bool(load.get("keep")),
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -151,6 +156,7 @@ class ShoalConnector(KVConnectorBase_V1):
                         pending.migration_id,
                         pending.first_block,
                         block_ids[pending.first_block : pending.last_block],
+                        pending.keep,
                     )
                 )
         cached = scheduler_output.scheduled_cached_reqs
