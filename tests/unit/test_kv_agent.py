@@ -119,6 +119,28 @@ def test_full_blocks_go_over_unchanged_and_are_injected(any_pair: Pair) -> None:
     assert pair.target.take_load_errors() == set()
 
 
+def test_a_warm_up_load_keeps_the_staging_for_the_commit(pair: Pair) -> None:
+    """The warm-up before the stop loads the pre-copied blocks and leaves them staged; the
+    last stage adds to the same area; the commit's load, past the blocks the prefix cache now
+    holds, takes the rest and frees the area."""
+    _run(pair.source, "r", [5, 6, 7], tokens=2 * BLOCK + 1)
+    sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
+    assert isinstance(sent, kv.SentBlocks) and sent.blocks == 2
+    assert pair.target.inject(Load("warm-m", "m", 0, [10, 11], keep=True)) == 2
+    status = pair.call("target", kv.AgentStatus())
+    assert isinstance(status, kv.Status) and status.staged_bytes == 2 * LAYERS * WIDTH * 2
+    # The stop, the last stage (the partial block), the commit: only block 2 is loaded.
+    assert pair.call("source", kv.Hold("r")) is None
+    last = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 2, partial=True))
+    assert isinstance(last, kv.SentBlocks) and last.blocks == 1
+    assert pair.target.inject(Load("r", "m", 2, [13])) == 1
+    for name in pair.source_kv:
+        assert torch.equal(pair.target_kv[name][[10, 11, 13]], pair.source_kv[name][[5, 6, 7]])
+    status = pair.call("target", kv.AgentStatus())
+    assert isinstance(status, kv.Status) and status.staged_bytes == 0
+    assert pair.target.take_load_errors() == set()
+
+
 def test_block_ids_are_sent_in_runs_of_consecutive_ids() -> None:
     assert runs(list(enumerate([9, 3, 4, 5, 0, 12, 13])), 2) == [
         (0, 9, 1),

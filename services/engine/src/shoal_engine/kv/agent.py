@@ -336,13 +336,7 @@ class KvAgent:
                 self._release_locked(command.request_id)
             return None
         if isinstance(command, kv.FreeStaging):
-            with self._lock:
-                staged = self._staging.pop(command.migration_id, None)
-                self._freed[command.migration_id] = None
-                if len(self._freed) > 4096:
-                    del self._freed[next(iter(self._freed))]
-            if staged is not None:
-                self._give_back(staged)
+            self.free_staging(command.migration_id)
             return None
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
@@ -524,6 +518,16 @@ class KvAgent:
                 migration_id=header.migration_id, staged_blocks=0, error="migration cancelled"
             ), True
         return kv.StageAck(migration_id=header.migration_id, staged_blocks=total), True
+
+    def free_staging(self, migration_id: str) -> None:
+        """Drop a migration's staging area, and any chunk of it still to come."""
+        with self._lock:
+            staged = self._staging.pop(migration_id, None)
+            self._freed[migration_id] = None
+            if len(self._freed) > 4096:
+                del self._freed[next(iter(self._freed))]
+        if staged is not None:
+            self._give_back(staged)
 
     def _give_back(self, staged: _Staged) -> None:
         for slot, count in staged.runs:

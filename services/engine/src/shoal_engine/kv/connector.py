@@ -13,7 +13,8 @@ Scheduler side, every step (``build_connector_meta``):
     blocks the metadata tells the worker which staged blocks go where. A warm-up before the
     stop (``"keep": True``, the migration's context so far, one output token) loads them
     without freeing the staging area; its blocks stay in vLLM's prefix cache, so the commit's
-    request finds them there and loads only the blocks after them.
+    request finds them there and loads only the blocks after them. A commit's request that
+    finds every staged token there loads nothing, and its staging area is freed at once.
 
   * an aborted request's blocks are kept (``request_finished`` says so) until the worker
     reports them free: a migration stops its request with an abort, then copies its last,
@@ -68,6 +69,9 @@ class ShoalConnectorMetadata(KVConnectorMetadata):
     delayed: list[str] = field(default_factory=list)
     # Shoal ids of requests vLLM preempted this step (their blocks are free again).
     preempted: list[str] = field(default_factory=list)
+    # Migrations whose request found all of its staged KV in the prefix cache: nothing will
+    # load from their staging areas.
+    unneeded: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -90,6 +94,7 @@ class ShoalConnector(KVConnectorBase_V1):
         self._ids: dict[str, str] = {}
         self._loads: dict[str, _PendingLoad] = {}
         self._delayed: list[str] = []
+        self._unneeded: list[str] = []
         # Local prefix-cache hits of requests with KV to load (set when vLLM asks how many
         # tokens the connector has, used once their blocks are allocated).
         self._matched: dict[str, int] = {}
@@ -110,6 +115,8 @@ class ShoalConnector(KVConnectorBase_V1):
         # Never the last token: vLLM must compute at least one to sample the next.
         tokens = min(int(load["tokens"]), request.num_tokens - 1)
         if tokens <= num_computed_tokens:
+            if not load.get("keep"):
+                self._unneeded.append(str(load["migration"]))
             return 0, False
         # The local prefix cache already has the first ``num_computed_tokens``: load the rest.
         self._matched[request.request_id] = num_computed_tokens
@@ -131,8 +138,8 @@ class ShoalConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = ShoalConnectorMetadata(delayed=self._delayed)
-        self._delayed = []
+        meta = ShoalConnectorMetadata(delayed=self._delayed, unneeded=self._unneeded)
+        self._delayed, self._unneeded = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             shoal_id = self._ids.get(new.req_id)
@@ -218,6 +225,8 @@ class ShoalConnector(KVConnectorBase_V1):
         self._agent.update_tables(meta.updates, meta.finished, meta.preempted, meta.delayed)
         for load in meta.loads:
             self._agent.inject(load)
+        for migration_id in meta.unneeded:
+            self._agent.free_staging(migration_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
