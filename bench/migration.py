@@ -489,20 +489,25 @@ def plots(bw: list[dict[str, Any]], stalls: list[dict[str, Any]]) -> None:
         fig.savefig(ROOT / "docs" / "img" / "migration_bandwidth.png", dpi=110)
         plt.close(fig)
     if stalls:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for mode in MODES:
-            points = sorted({r["context"] for r in stalls})
-            medians = [
-                statistics.median(r["stall_ms"] for r in stalls if r["mode"] == mode and r["context"] == c)
-                for c in points
-            ]
-            ax.plot(points, medians, "o-", label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("client-visible stall p50 (ms)")
-        ax.set_title("Stall of a migrated request, SmolLM2 on CPU")
-        ax.legend()
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+        points = sorted({r["context"] for r in stalls})
+        for ax, key, where in (
+            (axes[0], "stall_ms", "client"),
+            (axes[1], "engine_stall_ms", "target engine's clock"),
+        ):
+            for mode in MODES:
+                medians = [
+                    statistics.median(r[key] for r in stalls if r["mode"] == mode and r["context"] == c)
+                    for c in points
+                ]
+                ax.plot(points, medians, "o-", label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("context (tokens)")
+            ax.set_title(f"stall p50, {where}")
+        axes[0].set_ylabel("stall (ms)")
+        axes[0].legend()
+        fig.suptitle("Stall of a migrated request, SmolLM2 on CPU")
         fig.tight_layout()
         fig.savefig(ROOT / "docs" / "img" / "migration_stall.png", dpi=110)
         plt.close(fig)
