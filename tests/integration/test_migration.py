@@ -8,6 +8,7 @@ it decodes, and compares the tokens and text with the same greedy request never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -367,14 +368,18 @@ def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> N
         elif out.chunks >= 10:
             raise ClientLeftError
 
-    # A client process the machine leaves unscheduled for seconds reads its tenth chunk after
-    # the engine generated every token: the request ends whole before the client leaves, and
-    # the scene runs again.
+    # A client process the machine leaves unscheduled for seconds reads its first chunk (then
+    # the move finds the request gone) or its tenth one after the engine generated every token:
+    # the request ends whole before the client leaves, and the scene runs again.
+    owner = ""
     for _attempt in range(3):
         moved.clear()
-        with pytest.raises(ClientLeftError):
+        # (A client that lags gets its tokens in fewer, larger chunks: it may not reach ten.)
+        with contextlib.suppress(ClientLeftError):
             stream(smol_fleet, [601, 602, 603], 2 * LONG, move_then_leave)
-        assert moved[0].outcome == pb.MIGRATED
+        if moved[0].outcome == pb.GONE and "not running here" in moved[0].detail:
+            continue
+        assert moved[0].outcome == pb.MIGRATED, moved[0]
         owner = moved[0].target_engine_id
 
         def ended(engine_id: str = owner) -> bool:
@@ -383,6 +388,7 @@ def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> N
         wait_until(ended, 30.0, f"the moved request to end on {owner}")
         if finished(owner, "abort") > before[owner, "abort"]:
             break
+    assert owner, "the request ended before its first move three times"
     assert finished(owner, "abort") > before[owner, "abort"], "the request ended whole three times"
 
 

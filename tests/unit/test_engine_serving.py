@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+import msgspec
 import pytest
 
 from shoal_engine.backend import BackendDeadError, BackendOutput, BackendRequestError
@@ -571,6 +572,24 @@ async def test_stop_for_migration_ends_right_after_the_next_output(
     assert [p.token_ids for p in send.pieces("m")] == [[1], [2]]
     assert send.final("m") is None  # no final piece: the request goes on elsewhere
     assert backend.cancelled == ["m"] and service.num_requests == 0
+
+
+async def test_a_move_waits_for_a_migrated_in_request_to_produce_here(
+    service: EngineService, backend: FakeBackend, send: FakeSend
+) -> None:
+    # Arrived with outputs from another engine: its KV is not in place here before its first step.
+    arrived = msgspec.structs.replace(add("arrived"), output_token_ids=[7, 8])
+    service.start(arrived)
+    await backend.wait_started("arrived")
+    assert not await service.wait_output_here("arrived", 0.05)
+    waiting = asyncio.create_task(service.wait_output_here("arrived", WAIT_S))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    backend.feed("arrived", out([9], "x"))
+    assert await asyncio.wait_for(waiting, WAIT_S)
+    # Once it has produced here, at once; a request not running here, never.
+    assert await service.wait_output_here("arrived", 0.0)
+    assert not await service.wait_output_here("elsewhere", WAIT_S)
 
 
 async def test_stop_for_migration_of_a_silent_request_stops_it_where_it_is(

@@ -229,6 +229,9 @@ class MigrationManager:
         block = status.block_size
         stub = self._stub(target.control_address)
         timeout = config.migration_step_timeout_s
+        # A request that just arrived (a move right after a move) has no blocks here before its
+        # first step: pre-copy would find none to send, and the stop would send them all.
+        await self._service.wait_output_here(request_id, timeout / 2)
         tokens = self._service.tokens_of(request_id) or 0
         max_tokens = self._service.max_tokens_of(request_id) or tokens
         prepared = await stub.PrepareMigration(

@@ -66,6 +66,9 @@ class _Running:
     # Wall-clock time of the latest output tokens (a migration's target measures its client's
     # gap from the source's last one).
     last_output_at: float = 0.0
+    # Set at its first output here: its KV here is complete from then on (a request that
+    # arrived by migration has its staged blocks loaded).
+    output_here: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def produced(self) -> int:
@@ -153,6 +156,21 @@ class EngineService:
                 pass
         finally:
             await stream.aclose()
+
+    async def wait_output_here(self, request_id: str, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for a running request's first output on this engine (at
+        once if it has one). A request that just arrived, by migration or not, has no KV blocks
+        here to send before its first step. False if it has none by then or is not running."""
+        running = self._running.get(request_id)
+        if running is None:
+            return False
+        if running.output_here.is_set():
+            return True
+        try:
+            await asyncio.wait_for(running.output_here.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def moved_to(self, request_id: str) -> str | None:
         """The engine a request that left this one went to, if it is remembered."""
@@ -300,6 +318,7 @@ class EngineService:
             if out.token_ids:
                 first_here = not running.last_output_at
                 running.last_output_at = time.time()
+                running.output_here.set()
                 if first_here and add.output_token_ids and self.on_first_output is not None:
                     self.on_first_output(add, running.last_output_at)
             running.output_ids.extend(out.token_ids)
