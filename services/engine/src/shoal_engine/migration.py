@@ -74,6 +74,8 @@ logger = logging.getLogger(__name__)
 
 _UNREACHABLE_S = 10.0
 """How long a target whose control API refused connections is left out of target picking."""
+_RECORD_WAIT_S = 15.0
+"""How long a target waits for the source's migration record, to add the stall to it."""
 
 MIN_TOKENS_LEFT = 16
 """A request the engine picks to move must have this many tokens still to generate (moving one
@@ -710,8 +712,10 @@ class MigrationManager:
 
     async def _record_stall(self, migration_id: str, stall_ms: float) -> None:
         key = self._keys.migration(migration_id)
-        # The source writes the record when the commit returns; it may not be there yet.
-        for _ in range(40):
+        # The source writes the record when the commit returns; it may not be there yet (and a
+        # loaded machine can hold the source up for seconds).
+        deadline = time.monotonic() + _RECORD_WAIT_S
+        while time.monotonic() < deadline:
             try:
                 raw = await self._redis.get(key)
                 if raw is not None:
