@@ -280,7 +280,6 @@ def stall_once(
     worst = max(window)
     raw_record = client.get(Keys(fleet_cfg.cluster).migration(result.migration_id))
     engine_stall = migration_record_decoder.decode(raw_record).stall_ms if raw_record else None
-    tightest = min(range(len(window)), key=window.__getitem__)
     return {
         "context": context,
         "mode": mode,
@@ -288,7 +287,7 @@ def stall_once(
         "worst_ms": max(0.0, worst - usual),
         # Events that came back to back during the move (they waited for the client, or the
         # router wrote them at once): the client's stamps hide part of the move's gaps there.
-        "lagged": window[tightest] < max(LAG_MS, usual / 4),
+        "lagged": min(window) < max(LAG_MS, usual / 4),
         # From the source's last token to the target's first, as the target recorded it.
         "engine_stall_ms": max(0.0, (engine_stall or 0.0) - usual),
         "gap_ms": gaps[switch],
