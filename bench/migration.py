@@ -514,10 +514,16 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _CLIENT_CLOCK = ("stall_ms", "worst_ms")
 
 
+def _client_fell_behind(row: dict[str, Any]) -> bool:
+    """Tokens of the move came back to back (rows of earlier runs have no ``lagged``: a usual gap
+    under ``LAG_MS`` says the same)."""
+    return bool(row.get("lagged", False)) or row["itl_ms"] < LAG_MS
+
+
 def stall_median(stalls: list[dict[str, Any]], mode: str, context: int, key: str) -> float | None:
     rows = [r for r in stalls if r["mode"] == mode and r["context"] == context]
     if key in _CLIENT_CLOCK:
-        rows = [r for r in rows if not r.get("lagged", False) and r["itl_ms"] >= LAG_MS]
+        rows = [r for r in rows if not _client_fell_behind(r)]
     return statistics.median(r[key] for r in rows) if rows else None
 
 
@@ -639,7 +645,7 @@ def section(
                 f"| {med('recompute', 'stall_ms')} | {med('precopy', 'downtime_ms')} "
                 f"| {bytes_moved / 1e6:.1f} MB | {med('precopy', 'itl_ms')} |"
             )
-        lagged = sum(r.get("lagged", False) or r["itl_ms"] < LAG_MS for r in stalls)
+        lagged = sum(_client_fell_behind(r) for r in stalls)
         lines += [
             "",
             f"In {lagged} of the {len(stalls)} requests some tokens of the move came back to back "
