@@ -39,7 +39,7 @@ test-integration: setup models ## Integration tests: real Redis, ZeroMQ, tokeniz
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 .PHONY: setup
-setup: $(SETUP_STAMP) system-packages ## Create the virtualenv and install pinned packages (and Redis, Prometheus, Chromium)
+setup: $(SETUP_STAMP) system-packages ## Create the virtualenv and install pinned packages (and Redis, Prometheus, Chromium, tcmalloc)
 
 $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	@echo "==> [setup 1/4] virtualenv in $(VENV)"
@@ -58,11 +58,12 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	touch $@
 
 .PHONY: system-packages
-system-packages: ## Install Debian's redis-server, prometheus and chromium when missing
+system-packages: ## Install Debian's redis-server, prometheus, chromium and tcmalloc when missing
 	@missing=""; \
 	for package in redis-server prometheus chromium; do \
 		command -v $$package >/dev/null || missing="$$missing $$package"; \
 	done; \
+	PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p | grep -q libtcmalloc_minimal.so.4 || missing="$$missing libtcmalloc-minimal4"; \
 	if [ -n "$$missing" ]; then \
 		echo "==> installing Debian packages:$$missing"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -135,6 +136,10 @@ bench-relay: setup ## Tokens/s and router CPU per token through one and two rout
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)
+
+.PHONY: bench-allocator
+bench-allocator: setup models ## CPU engine steps with glibc's allocator vs tcmalloc, side by side; writes docs/benchmarks.md
+	$(PY) bench/allocator.py $(BENCH_ARGS)
 
 .PHONY: bench-chaos
 bench-chaos: setup models ## Streams under engine kills, a Redis restart and a drain; writes docs/reliability.md

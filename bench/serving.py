@@ -4,7 +4,8 @@ vllm-router, same load, one run.
 Method
 ------
 Two targets serve SmolLM2-135M-Instruct with one vLLM CPU engine each, bound to core 0
-(``VLLM_CPU_OMP_THREADS_BIND=0``), bf16, eager mode, ``max_model_len`` 2048, 1 GiB of KV cache,
+(``VLLM_CPU_OMP_THREADS_BIND=0``), bf16, eager mode, tcmalloc preloaded where it is installed
+(``shoal_engine.tcmalloc``), ``max_model_len`` 2048, 1 GiB of KV cache,
 ``max_num_seqs`` 64, vLLM's default executor (the CPU build runs the model in a worker process
 beside the engine core, whatever ``--distributed-executor-backend`` says, so neither side sets it):
 
@@ -83,6 +84,7 @@ import psutil
 from relay import vllm_router_binary
 from report import update_section
 
+from shoal_engine import tcmalloc
 from shoal_fleet.launcher import Fleet, FleetConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +113,8 @@ FLEET_PORTS = {
 }
 """Away from ``make run``'s defaults (8000, 6379, 50051, 5600, 8100, 5700)."""
 ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
-"""What the fleet's launcher gives engine-0; vLLM's server gets the same."""
+"""What the fleet's launcher gives engine-0; vLLM's server gets the same (and tcmalloc, as the
+fleet's engine service preloads it into vLLM's processes)."""
 MAX_NUM_SEQS = 64
 """Shoal's engine default; vLLM's server gets it too."""
 
@@ -530,6 +533,8 @@ class VllmServer:
         if not port_free(self.port):
             raise RuntimeError(f"port {self.port} is taken; is another benchmark running?")
         env = {**os.environ, **ENGINE_ENV, "PYTHONUNBUFFERED": "1"}
+        # The fleet's engines preload tcmalloc into vLLM's processes where it is installed.
+        tcmalloc.preload(env, tcmalloc.installed())
         say(f"  command: {' '.join(self.command())} (log {self.log_path})")
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(
@@ -869,7 +874,8 @@ def markdown_section(
         "",
         "The same load against vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) "
         "and against a Shoal fleet (Redis, tokenizer, router, one engine), both with one vLLM CPU engine "
-        "on core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`), bf16, eager mode, `max_model_len` 2048, 1 GiB KV "
+        "on core 0 (`VLLM_CPU_OMP_THREADS_BIND=0`), bf16, eager mode, tcmalloc preloaded where installed, "
+        "`max_model_len` 2048, 1 GiB KV "
         f"cache, `max_num_seqs` {MAX_NUM_SEQS}, vLLM's default executor; and the same vLLM server behind "
         "the Rust `vllm-router` (round robin over its one worker), the front end of vLLM's production "
         "stack. They run one after the other "

@@ -3,12 +3,16 @@
 # constraints.txt) with Shoal's engine service. For clusters without GPUs, kind included:
 #   docker build -f docker/engine-cpu.Dockerfile -t shoal/engine-cpu:0.1.0 \
 #       --build-arg PIP_EXTRA_INDEX_URL=<index serving torch's +cpu wheels> .
+# tcmalloc is installed for the engine service to preload into vLLM's model processes.
 # Runs as an unprivileged user; vLLM writes its caches under HOME=/tmp.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE}
 ARG PIP_EXTRA_INDEX_URL=""
 ENV PYTHONUNBUFFERED=1 HOME=/tmp HF_HOME=/tmp/huggingface VLLM_TARGET_DEVICE=cpu
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libtcmalloc-minimal4=2.10-1 \
+    && rm -rf /var/lib/apt/lists/*
 COPY constraints.txt /tmp/shoal/constraints.txt
 COPY protos/python /tmp/shoal/protos/python
 COPY services/engine /tmp/shoal/services/engine

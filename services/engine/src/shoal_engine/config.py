@@ -53,6 +53,11 @@ class EngineConfig(BaseModel):
     runs the model in the engine-core process (one process fewer to start); vLLM's CPU build
     always uses ``mp``, since OpenMP must be set up in a fresh worker process."""
 
+    tcmalloc: bool = True
+    """On vLLM's CPU build, run the model's processes with tcmalloc (``LD_PRELOAD``) when the
+    library is installed (Debian's ``libtcmalloc-minimal4``; ``shoal_engine.tcmalloc``).
+    Without the library, or on GPUs, nothing changes."""
+
     max_num_seqs: int = Field(default=64, ge=1)
     """Requests vLLM runs in one batch; more wait in its queue."""
 

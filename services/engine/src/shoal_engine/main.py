@@ -77,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--no-tcmalloc",
+        dest="tcmalloc",
+        action="store_false",
+        help="CPU build: keep glibc's allocator even where tcmalloc is installed",
+    )
     parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
@@ -118,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
+        tcmalloc=args.tcmalloc,
         executor_backend=args.executor_backend,
         heartbeat_ttl_s=args.heartbeat_ttl,
         drain_timeout_s=args.drain_timeout,

@@ -10,6 +10,7 @@ hook for custom metrics), called once per engine step.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator
 
@@ -17,12 +18,14 @@ from vllm import SamplingParams, TokensPrompt
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
+from shoal_engine import tcmalloc
 from shoal_engine.backend import (
     BackendDeadError,
     BackendInfo,
@@ -101,6 +104,12 @@ class VllmBackend:
         self._llm: AsyncLLM | None = None
 
     async def start(self) -> BackendInfo:
+        if self._config.tcmalloc and current_platform.is_cpu():
+            library = tcmalloc.installed()
+            if tcmalloc.preload(os.environ, library):
+                logger.info("vLLM's processes run with %s", library)
+            elif not library:
+                logger.info("tcmalloc is not installed: vLLM's processes keep glibc's allocator")
         args = AsyncEngineArgs(
             model=self._config.model,
             served_model_name=[self._config.served_model_name],
