@@ -75,6 +75,11 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     assert len(records) == 2
     engine_of: dict[int, str] = {}
     some_stream_has_tokens = threading.Event()
+    # The four streams that had tokens: the kill waits for all four, so that each stream's
+    # header names the engine it runs on (a request the killed engine held before its first
+    # token would get that token, and the header, from the survivor).
+    with_tokens: set[int] = set()
+    every_stream_has_tokens = threading.Event()
     body = {
         "model": tiny_fleet.model,
         "prompt": [7, 8, 9],
@@ -92,7 +97,9 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         token_ids: list[int] = []
         async with http.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body) as reply:
             if reply.status_code != 200:
-                some_stream_has_tokens.set()  # nothing to wait for: the gather below says why
+                # Nothing to wait for: the gather below says why.
+                some_stream_has_tokens.set()
+                every_stream_has_tokens.set()
                 await reply.aread()
                 raise AssertionError(f"stream {i}: {reply.status_code} {reply.text}")
             # The router names the engine in a header; it is sent with the first token.
@@ -105,7 +112,11 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
                 if line != "data: [DONE]":
                     choices = json.loads(line.removeprefix("data: ")).get("choices") or [{}]
                     token_ids.extend(choices[0].get("token_ids") or [])
-                    some_stream_has_tokens.set()
+                    if token_ids:
+                        some_stream_has_tokens.set()
+                        with_tokens.add(i)
+                        if with_tokens >= {0, 1, 2, 3}:
+                            every_stream_has_tokens.set()
         if last == "data: [DONE]":
             return "completed", token_ids
         error = json.loads(last.removeprefix("data: "))["error"]
@@ -115,7 +126,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
 
     def kill_a_busy_engine() -> str:
         # A thread, so that the kill does not wait for the busy event loop.
-        assert some_stream_has_tokens.wait(180), "no stream got tokens"
+        assert every_stream_has_tokens.wait(180), f"only streams {sorted(with_tokens)} got tokens"
         # The tiny model decodes a whole stream in a few seconds, so a request counted as
         # running could finish between the count and the kill. Freeze vLLM's processes under both
         # engines first: a request an engine still counts then cannot finish (short of its last
@@ -142,7 +153,8 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
 
     resumed_before = _resumed(tiny_fleet)
     for _ in range(6):  # the tiny engines can finish every stream before this process acts
-        some_stream_has_tokens.clear()
+        with_tokens.clear()
+        every_stream_has_tokens.clear()
         async with httpx.AsyncClient(timeout=120) as http:
             tasks = [asyncio.create_task(long_stream(http, i)) for i in range(4)]
             victim = await asyncio.to_thread(kill_a_busy_engine)
