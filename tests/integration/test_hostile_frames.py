@@ -142,10 +142,9 @@ def test_pickle_is_never_unpickled_and_hostile_frames_crash_nothing(
             reply = kv.agent_reply_decoder.decode(req.recv())
             assert isinstance(reply, kv.AgentError) and "undecodable" in reply.message
     for address, path, _ in _grpc_methods(tiny_fleet):
-        # Refused: protobuf cannot parse it (grpc.aio reports a request it cannot deserialize
-        # as UNKNOWN, the sync server as INTERNAL).
+        # Refused as the caller's fault: protobuf cannot parse it.
         code = _call_raw(address, path, payload)
-        assert code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (path, code)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, code)
 
     # 2. Generated frames on the ZeroMQ sockets.
     targets = _zmq_targets(tiny_fleet)

@@ -39,6 +39,7 @@ from shoal_engine.serving import EngineService
 from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_protos import curve
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos.grpc_errors import RefuseUndecodable
 from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
 
@@ -323,7 +324,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             keys,
             metrics,
         )
-        control = grpc.aio.server()
+        control = grpc.aio.server(interceptors=[RefuseUndecodable()])
         pb_grpc.add_EngineControlServicer_to_server(EngineControlServicer(migrations), control)
         control.add_insecure_port(config.control_address)
         await control.start()

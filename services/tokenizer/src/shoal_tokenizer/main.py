@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
+from shoal_protos.grpc_errors import RefuseUndecodable
 from shoal_tokenizer.config import TokenizerConfig
 from shoal_tokenizer.service import TokenizerServicer, load_model
 
@@ -51,7 +52,9 @@ async def serve(config: TokenizerConfig) -> None:
         logger.info("loading tokenizer %s from %s", name, path)
         models[name] = load_model(name, path)
 
-    server = grpc.aio.server(maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+    server = grpc.aio.server(
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=[RefuseUndecodable()]
+    )
     pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(models), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
