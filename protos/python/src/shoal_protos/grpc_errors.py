@@ -9,6 +9,7 @@ servicer never runs. Every unary method of Shoal's gRPC servers goes through it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
             if isinstance(request, _Undecodable):
                 logger.warning("refused an undecodable %s request: %s", method, request.error)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
-            return await behaviour(request, context)
+            reply = behaviour(request, context)
+            return await reply if inspect.isawaitable(reply) else reply
 
         return grpc.unary_unary_rpc_method_handler(
             call, request_deserializer=deserialize, response_serializer=handler.response_serializer
