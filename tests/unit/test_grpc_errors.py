@@ -59,6 +59,7 @@ async def test_garbage_is_invalid_argument_and_one_warning(server_address, caplo
 async def test_good_requests_reach_the_servicer(server_address) -> None:
     address, servicer = server_address
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert servicer.calls == 1
