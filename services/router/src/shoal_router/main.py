@@ -24,7 +24,7 @@ from fastapi import FastAPI
 
 from shoal_protos import curve
 from shoal_protos.records import Keys, state_client
-from shoal_router.api.app import create_app
+from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
@@ -306,7 +306,7 @@ async def serve(config: RouterConfig) -> None:
     _quiet_gc()
     server = _Server(
         uvicorn.Config(
-            app,
+            with_server_send(app),
             host=config.host,
             port=config.port,
             log_level="warning",

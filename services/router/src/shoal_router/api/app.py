@@ -290,6 +290,10 @@ class _Gate:
                 await refusal(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = caller
+        # For the events of a streamed response (``_EventStream``), unless ``with_server_send``
+        # left the server's own: the wrappers between here and the route act on a response's
+        # start alone.
+        scope.setdefault("state", {}).setdefault("body_send", send)
 
         def counted(message: Message) -> Awaitable[None]:
             # A plain function handing back ``send``'s awaitable: no coroutine of its own for
@@ -300,6 +304,41 @@ class _Gate:
             return send(message)
 
         await self.app(scope, receive, counted)
+
+
+def with_server_send(app: ASGIApp) -> ASGIApp:
+    """``app`` behind a layer that leaves the server's own ``send`` in each HTTP request's
+    state, for the events of streamed responses (``_EventStream``): Starlette puts its error
+    middleware outside every middleware of the app, the gate's included."""
+
+    async def outermost(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["body_send"] = send
+        await app(scope, receive, send)
+
+    return outermost
+
+
+class _EventStream(StreamingResponse):
+    """A streamed SSE response whose events go straight to the server's ``send``
+    (``with_server_send``), or else to the one the gate was given.
+
+    Between the server and the route, Starlette's error middleware, its two exception handlers
+    and the gate's counter each wrap ``send``, and each acts only on the response's start;
+    passing every event through them cost about 1 us of the router's CPU per event. The start
+    and the end of the response still go through them."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], body_send: Send | None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+        self._body_send = body_send
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        direct = self._body_send or send
+        async for event in self._events:
+            await direct({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def create_app(
@@ -440,10 +479,10 @@ def create_app(
             return Response(status_code=499)
         response_id = ("chatcmpl-" if chat else "cmpl-") + handle.request_id.rsplit("-", 1)[-1]
         if body.stream:
-            return StreamingResponse(
+            return _EventStream(
                 _stream(handle, body, first, deltas, response_id, chat),
-                media_type="text/event-stream",
                 headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id, REQUEST_HEADER: handle.request_id},
+                body_send=getattr(request.state, "body_send", None),
             )
         return await _collect(request, handle, body, first, deltas, response_id, chat)
 
