@@ -141,6 +141,10 @@ bench-migration: setup models ## KV transfer bandwidth and migration stall; writ
 bench-allocator: setup models ## CPU engine steps with glibc's allocator vs tcmalloc, side by side; writes docs/benchmarks.md
 	$(PY) bench/allocator.py $(BENCH_ARGS)
 
+.PHONY: bench-readmission
+bench-readmission: setup models ## How fast vLLM continues a context it holds: re-admission vs a streaming-input second chunk (prints a table)
+	$(PY) bench/readmission.py $(BENCH_ARGS)
+
 .PHONY: bench-chaos
 bench-chaos: setup models ## Streams under engine kills, a Redis restart and a drain; writes docs/reliability.md
 	$(PY) bench/chaos.py $(BENCH_ARGS)

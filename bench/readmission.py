@@ -1,0 +1,183 @@
+"""Readmission benchmark: how fast vLLM continues a context it already holds, two ways.
+
+A migration's target must continue a request whose context (KV) it already has. Today it sends
+the whole context again as a new request, and the prefix cache finds all but the last token
+('cached re-admission'). vLLM's streaming-input requests offer another way: a request fed in
+chunks keeps its KV blocks between chunks, so the target could take the context as a first
+chunk before the stop (one dropped token) and the last token as a second chunk at the commit
+('second chunk'). This measures both on one CPU engine (SmolLM2, greedy, bf16), side by side
+for the same contexts.
+
+For each context length and repeat: a request of random token ids generates 16 tokens (its
+median inter-token gap is the 'usual gap'). The context plus its first output token (so that
+all but the last token fill whole blocks) is then continued (a) as a new request, the prefix
+cache holding all but its last token, and (b) as the second chunk, that last token, of a
+streaming-input request whose first chunk was the rest. Shown: the time to the first token of
+each minus the usual gap (median over the repeats), and how often each went on with the same
+tokens as the first request (greedy; bf16 near-ties can flip). Prints a markdown table.
+
+    .venv/bin/python bench/readmission.py [--contexts 256 2048 8000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import statistics
+import time
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+BLOCK = 32  # the CPU attention backend wants multiples of 32
+
+
+def _params(max_tokens: int):  # type: ignore[no-untyped-def]
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+
+
+async def _plain(llm, request_id: str, ids: list[int], tokens: int) -> tuple[float, list[float], list[int]]:  # type: ignore[no-untyped-def]
+    """Time to the first token (s), the token time stamps, the tokens."""
+    from vllm import TokensPrompt
+
+    started = time.perf_counter()
+    stamps: list[float] = []
+    out: list[int] = []
+    async for piece in llm.generate(TokensPrompt(prompt_token_ids=ids), _params(tokens), request_id):
+        if piece.outputs[0].token_ids:
+            stamps.append(time.perf_counter())
+            out += piece.outputs[0].token_ids
+    return stamps[0] - started, stamps, out
+
+
+async def _second_chunk(
+    llm, request_id: str, first: list[int], second: list[int], tokens: int
+) -> tuple[float, list[int]]:  # type: ignore[no-untyped-def]
+    """A streaming-input request: ``first`` for one dropped token, then ``second`` continues;
+    the time from handing over ``second`` to its first token (s), and its tokens."""
+    from vllm import TokensPrompt
+    from vllm.engine.protocol import StreamingInput
+
+    chunks: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+
+    async def inputs() -> AsyncGenerator[StreamingInput]:
+        while (chunk := await chunks.get()) is not None:
+            yield chunk
+
+    await chunks.put(StreamingInput(prompt=TokensPrompt(prompt_token_ids=first), sampling_params=_params(1)))
+    handed = 0.0
+    first_token = 0.0
+    out: list[int] = []
+    async for piece in llm.generate(inputs(), _params(tokens), request_id):
+        new = piece.outputs[0].token_ids
+        if not handed:
+            if new:  # the first chunk's token (dropped): now the second chunk
+                handed = time.perf_counter()
+                await chunks.put(
+                    StreamingInput(
+                        prompt=TokensPrompt(prompt_token_ids=second), sampling_params=_params(tokens)
+                    )
+                )
+            continue
+        if new and not first_token:
+            first_token = time.perf_counter()
+        out += new
+        if len(out) >= tokens:
+            await chunks.put(None)
+    return first_token - handed, out
+
+
+async def run(contexts: list[int], repeats: int, seed: int) -> list[dict[str, float]]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(MODEL),
+            dtype="bfloat16",
+            max_model_len=max(contexts) + 64,
+            enforce_eager=True,
+            block_size=BLOCK,
+            enable_log_requests=False,
+        )
+    )
+    rng = random.Random(seed)
+    rows = []
+    try:
+        await _plain(llm, "warm-up", [rng.randrange(100, 40000) for _ in range(64)], 4)
+        for context in contexts:
+            for i in range(repeats):
+                ids = [rng.randrange(100, 40000) for _ in range(context)]
+                _, stamps, out = await _plain(llm, f"a-{context}-{i}", ids, 16)
+                gap = statistics.median(b - a for a, b in itertools.pairwise(stamps))
+                # Both continue the same context with one token to compute: all but its last
+                # token fill whole blocks, which the prefix cache (a) or the first chunk (b) holds.
+                full = (ids + out)[: (context + len(out) - 1) // BLOCK * BLOCK + 1]
+                unmoved = out[len(full) - context :][:6]  # what the first request went on with
+                readmit, _, again = await _plain(llm, f"b-{context}-{i}", full, len(unmoved))
+                second, got = await _second_chunk(llm, f"c-{context}-{i}", full[:-1], full[-1:], len(unmoved))
+                rows.append(
+                    {
+                        "context": context,
+                        "gap_ms": gap * 1000,
+                        "readmit_ms": (readmit - gap) * 1000,
+                        "second_ms": (second - gap) * 1000,
+                        "readmit_same": float(again == unmoved),
+                        "second_same": float(got == unmoved),
+                    }
+                )
+                row = rows[-1]
+                print(
+                    f"  {context:5d} tokens, #{i + 1}: usual gap {row['gap_ms']:5.1f} ms, re-admission "
+                    f"+{row['readmit_ms']:5.1f} ms, second chunk +{row['second_ms']:5.1f} ms, "
+                    f"tokens as unmoved: {bool(row['readmit_same'])}, {bool(row['second_same'])}",
+                    flush=True,
+                )
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def table(rows: list[dict[str, float]], contexts: list[int]) -> str:
+    lines = [
+        "| context | usual gap | cached re-admission, over the gap | second chunk, over the gap "
+        "| as unmoved, re-admission | as unmoved, second chunk |",
+        "|--:|--:|--:|--:|--:|--:|",
+    ]
+    for context in contexts:
+        mine = [r for r in rows if r["context"] == context]
+        lines.append(
+            f"| {context} | {statistics.median(r['gap_ms'] for r in mine):.1f} ms "
+            f"| {statistics.median(r['readmit_ms'] for r in mine):+.1f} ms "
+            f"| {statistics.median(r['second_ms'] for r in mine):+.1f} ms "
+            f"| {sum(int(r['readmit_same']) for r in mine)} of {len(mine)} "
+            f"| {sum(int(r['second_same']) for r in mine)} of {len(mine)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048, 8000])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    print(f"one SmolLM2 engine; contexts {args.contexts}, {args.repeats} repeats each", flush=True)
+    rows = asyncio.run(run(args.contexts, args.repeats, args.seed))
+    print(table(rows, args.contexts))
+
+
+if __name__ == "__main__":
+    main()
