@@ -8,13 +8,14 @@ chunk before the stop (one dropped token) and the last token as a second chunk a
 ('second chunk'). This measures both on one CPU engine (SmolLM2, greedy, bf16), side by side
 for the same contexts.
 
-For each context length and repeat: a request of random token ids generates 16 tokens (its
-median inter-token gap is the 'usual gap'). The context plus its first output token (so that
-all but the last token fill whole blocks) is then continued (a) as a new request, the prefix
-cache holding all but its last token, and (b) as the second chunk, that last token, of a
-streaming-input request whose first chunk was the rest. Shown: the time to the first token of
-each minus the usual gap (median over the repeats), and how often each went on with the same
-tokens as the first request (greedy; bf16 near-ties can flip). Prints a markdown table.
+For each context length and repeat: a request of random token ids (whole KV blocks) generates
+16 tokens; its median inter-token gap is the 'usual gap'. The context plus its first output
+token is then continued (a) as a new request, the prefix cache holding all but that token, and
+(b) by a streaming-input request whose first chunk is the same tokens and whose second chunk is
+the second output token. Shown: the time to the first token of (a), and from handing over the
+second chunk to its first token in (b), each minus the usual gap (median over the repeats), and
+how often each went on with the same tokens as the first request (greedy). Prints a markdown
+table.
 
     .venv/bin/python bench/readmission.py [--contexts 256 2048 8000] [--repeats 5]
 """
@@ -116,23 +117,29 @@ async def run(contexts: list[int], repeats: int, seed: int) -> list[dict[str, fl
         await _plain(llm, "warm-up", [rng.randrange(100, 40000) for _ in range(64)], 4)
         for context in contexts:
             for i in range(repeats):
-                ids = [rng.randrange(100, 40000) for _ in range(context)]
+                # Whole blocks, so that the context plus the first output token has all but its
+                # last token in whole blocks.
+                ids = [rng.randrange(100, 40000) for _ in range(context // BLOCK * BLOCK)]
                 _, stamps, out = await _plain(llm, f"a-{context}-{i}", ids, 16)
                 gap = statistics.median(b - a for a, b in itertools.pairwise(stamps))
-                # Both continue the same context with one token to compute: all but its last
-                # token fill whole blocks, which the prefix cache (a) or the first chunk (b) holds.
-                full = (ids + out)[: (context + len(out) - 1) // BLOCK * BLOCK + 1]
-                unmoved = out[len(full) - context :][:6]  # what the first request went on with
-                readmit, _, again = await _plain(llm, f"b-{context}-{i}", full, len(unmoved))
-                second, got = await _second_chunk(llm, f"c-{context}-{i}", full[:-1], full[-1:], len(unmoved))
+                # Each computes one token over KV it holds exactly as the first request wrote it:
+                # (a) the context and the first output as a new request, the prefix cache holding
+                # all but that output; (b) the same as a first chunk (its last token computed, as a
+                # migration's first chunk would be over KV loaded from staging), then the second
+                # output as the second chunk. A first chunk that ends on a block boundary has its
+                # whole last block computed again, and that KV differs from the first request's in
+                # the last bits: greedy near-ties then flip.
+                held = ids + out[:1]
+                readmit, _, again = await _plain(llm, f"b-{context}-{i}", held, 6)
+                second, got = await _second_chunk(llm, f"c-{context}-{i}", held, out[1:2], 5)
                 rows.append(
                     {
                         "context": context,
                         "gap_ms": gap * 1000,
                         "readmit_ms": (readmit - gap) * 1000,
                         "second_ms": (second - gap) * 1000,
-                        "readmit_same": float(again == unmoved),
-                        "second_same": float(got == unmoved),
+                        "readmit_same": float(again == out[1:7]),
+                        "second_same": float(got == out[2:7]),
                     }
                 )
                 row = rows[-1]
