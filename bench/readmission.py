@@ -12,12 +12,12 @@ For each context length and repeat: a request of random token ids (whole KV bloc
 16 tokens; its median inter-token gap is the 'usual gap'. The context plus its first output
 token is then continued (a) as a new request, the prefix cache holding all but that token, and
 (b) by a streaming-input request whose first chunk is the same tokens and whose second chunk is
-the second output token. Shown: the time to the first token of (a), and from handing over the
-second chunk to its first token in (b), each minus the usual gap (median over the repeats), and
-how often each went on with the same tokens as the first request (greedy). Prints a markdown
-table.
+the next output token (or the next ``--second-tokens``). Shown: the time to the first token of
+(a), and from handing over the second chunk to its first token in (b), each minus the usual gap
+(median over the repeats), and how often each went on with the same tokens as the first request
+(greedy). Prints a markdown table.
 
-    .venv/bin/python bench/readmission.py [--contexts 256 2048 8000] [--repeats 5]
+    .venv/bin/python bench/readmission.py [--contexts 256 2048 8000] [--repeats 5] [--second-tokens 1]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ async def _second_chunk(
     return first_token - handed, out
 
 
-async def run(contexts: list[int], repeats: int, seed: int) -> list[dict[str, float]]:
+async def run(contexts: list[int], repeats: int, seed: int, second_tokens: int) -> list[dict[str, float]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -131,7 +131,8 @@ async def run(contexts: list[int], repeats: int, seed: int) -> list[dict[str, fl
                 # the last bits: greedy near-ties then flip.
                 held = ids + out[:1]
                 readmit, _, again = await _plain(llm, f"b-{context}-{i}", held, 6)
-                second, got = await _second_chunk(llm, f"c-{context}-{i}", held, out[1:2], 5)
+                chunk = out[1 : 1 + second_tokens]
+                second, got = await _second_chunk(llm, f"c-{context}-{i}", held, chunk, 6 - second_tokens)
                 rows.append(
                     {
                         "context": context,
@@ -139,7 +140,7 @@ async def run(contexts: list[int], repeats: int, seed: int) -> list[dict[str, fl
                         "readmit_ms": (readmit - gap) * 1000,
                         "second_ms": (second - gap) * 1000,
                         "readmit_same": float(again == out[1:7]),
-                        "second_same": float(got == out[2:7]),
+                        "second_same": float(got == out[1 + second_tokens : 7]),
                     }
                 )
                 row = rows[-1]
@@ -177,12 +178,19 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048, 8000])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--second-tokens",
+        type=int,
+        default=1,
+        choices=range(1, 6),
+        help="tokens the second chunk brings (what the source decoded after the first chunk)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     print(f"one SmolLM2 engine; contexts {args.contexts}, {args.repeats} repeats each", flush=True)
-    rows = asyncio.run(run(args.contexts, args.repeats, args.seed))
+    rows = asyncio.run(run(args.contexts, args.repeats, args.seed, args.second_tokens))
     print(table(rows, args.contexts))
 
 
