@@ -362,9 +362,9 @@ class _EventStream(StreamingResponse):
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
-            if not left:
+            # The listener's cancel ends here; any other (the server shutting down) goes on.
+            if not left or task.uncancel():
                 raise
-            task.uncancel()
         finally:
             listener.cancel()
 
