@@ -31,13 +31,18 @@ import statistics
 import time
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 BLOCK = 32  # the CPU attention backend wants multiples of 32
 
 
-def _params(max_tokens: int):  # type: ignore[no-untyped-def]
+def _params(max_tokens: int) -> SamplingParams:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -46,7 +51,9 @@ def _params(max_tokens: int):  # type: ignore[no-untyped-def]
     )
 
 
-async def _plain(llm, request_id: str, ids: list[int], tokens: int) -> tuple[float, list[float], list[int]]:  # type: ignore[no-untyped-def]
+async def _plain(
+    llm: AsyncLLM, request_id: str, ids: list[int], tokens: int
+) -> tuple[float, list[float], list[int]]:
     """Time to the first token (s), the token time stamps, the tokens."""
     from vllm import TokensPrompt
 
@@ -61,8 +68,8 @@ async def _plain(llm, request_id: str, ids: list[int], tokens: int) -> tuple[flo
 
 
 async def _second_chunk(
-    llm, request_id: str, first: list[int], second: list[int], tokens: int
-) -> tuple[float, list[int]]:  # type: ignore[no-untyped-def]
+    llm: AsyncLLM, request_id: str, first: list[int], second: list[int], tokens: int
+) -> tuple[float, list[int]]:
     """A streaming-input request: ``first`` for one dropped token, then ``second`` continues;
     the time from handing over ``second`` to its first token (s), and its tokens."""
     from vllm import TokensPrompt
