@@ -1,7 +1,9 @@
 """The router's view of the fleet, read from Redis every ``fleet_poll_interval_s``.
 
-Each poll is two round trips: the engine index (a SET), then every engine's record, load report
-and emptying mark (``Keys.emptying``: the balancing leader is emptying it) in one pipeline. An
+Each poll is one round trip: a Lua script (``_READ_FLEET``) reads the engine index (a SET) and
+every engine's record, load report and emptying mark (``Keys.emptying``: the balancing leader is
+emptying it). The same reads as two pipelined round trips cost the router about 1.5 ms of CPU
+per poll, 1.5 % of a core at ten polls a second with nothing to serve. An
 engine whose record has expired (no heartbeat within its TTL) or says DEAD is lost: its socket
 closes and its requests go on on other engines. A DRAINING engine keeps its requests but gets no
 new ones, and so does an EMPTYING one (its requests move away). Nothing on the token path waits
@@ -39,6 +41,24 @@ from shoal_router.core.dispatch import EngineView
 
 logger = logging.getLogger(__name__)
 
+_READ_FLEET = """
+-- KEYS[1]: the epoch key, KEYS[2]: the engine index; ARGV[1]: the cluster's key prefix.
+-- Returns: 1 when the epoch key was missing (else 0), then for each engine id in the index its
+-- id, record, load report (false: none) and emptying mark (0 or 1).
+local missing = redis.call('SET', KEYS[1], '1', 'NX')
+local out = {missing and 1 or 0}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('GET', ARGV[1] .. 'engine:' .. id)
+  out[#out + 1] = redis.call('GET', ARGV[1] .. 'load:' .. id)
+  out[#out + 1] = redis.call('EXISTS', ARGV[1] .. 'emptying:' .. id)
+end
+return out
+"""
+"""The fleet's state in one call. It reads keys named from the index it reads (``Keys.engine``,
+``Keys.load``, ``Keys.emptying`` of each id), which a standalone Redis (or a replicated one)
+allows and a sharded Redis Cluster would not: every key of a cluster shares one prefix."""
+
 
 class FleetView:
     def __init__(
@@ -58,6 +78,7 @@ class FleetView:
         self.engines: dict[str, EngineView] = {}
         self.redis_ok = False
         self.polls = 0
+        self._read_fleet = client.register_script(_READ_FLEET)
 
     def engines_for(self, model: str) -> list[EngineView]:
         return [view for view in self.engines.values() if view.record.model == model]
@@ -70,28 +91,20 @@ class FleetView:
         return min(lens) if lens else None
 
     async def refresh(self) -> None:
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.set(self._keys.epoch, b"1", nx=True)
-            pipe.smembers(self._keys.engines)
-            epoch_was_missing, members = await pipe.execute()
-        if epoch_was_missing and self.engines:
+        keys = self._keys
+        values = await self._read_fleet(keys=[keys.epoch, keys.engines], args=[keys.prefix])
+        if values[0] and self.engines:
             self._restarted_at = time.monotonic()
             logger.warning(
                 "Redis lost the fleet state (restarted?); engines have %.0f s to register again",
                 self._restart_grace_s,
             )
-        ids = sorted(m.decode() for m in members)
-        async with self._client.pipeline(transaction=False) as pipe:
-            for engine_id in ids:
-                pipe.get(self._keys.engine(engine_id))
-                pipe.get(self._keys.load(engine_id))
-                pipe.exists(self._keys.emptying(engine_id))
-            values = await pipe.execute()
         seen: set[str] = set()
         dead: set[str] = set()
         stale: list[str] = []
-        for i, engine_id in enumerate(ids):
-            raw_record, raw_report, emptying = values[3 * i : 3 * i + 3]
+        # In id order, as the engines are listed everywhere else.
+        entries = sorted((values[i].decode(), *values[i + 1 : i + 4]) for i in range(1, len(values), 4))
+        for engine_id, raw_record, raw_report, emptying in entries:
             if raw_record is None:
                 stale.append(engine_id)
                 continue
