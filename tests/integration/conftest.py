@@ -95,6 +95,8 @@ def _config(
         enforce_eager=True,
         restart=False,
         heartbeat_ttl_s=3.0,
+        # Room for a frozen engine, woken, to write its heartbeat again on a loaded machine.
+        engine_silence_grace_s=2.0,
         drain_timeout_s=5.0,
         migration_step_timeout_s=3.0,
     )

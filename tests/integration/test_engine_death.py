@@ -34,6 +34,60 @@ def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
     return engines.get(engine_id)
 
 
+def test_an_engine_back_within_the_silence_grace_keeps_its_stream(tiny_fleet: RunningFleet) -> None:
+    """An engine whose record expired (here: the engine frozen and its record deleted, as when a
+    stall of the whole machine outlasts the heartbeat TTL) is SILENT to the router: no new
+    requests, but its stream stays. Woken within ``--engine-silence-grace``, it writes its
+    record again, the router takes it back, and the stream ends on it with the tokens of a run
+    that never stopped; nothing was continued elsewhere."""
+    body = {
+        "model": tiny_fleet.model,
+        "prompt": [5, 6, 7],
+        "max_tokens": 256,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    reference = httpx.post(tiny_fleet.base_url + "/v1/completions", json=body, timeout=60).json()
+    resumed_before = _resumed(tiny_fleet)
+    token_ids: list[int] = []
+    with httpx.stream(
+        "POST", tiny_fleet.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        engine_id = response.headers["x-shoal-engine"]
+        record = tiny_fleet.engine_record(engine_id)
+        assert record is not None
+        frozen = False
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line.removeprefix("data: ")).get("choices") or [{}]
+            token_ids.extend(choices[0].get("token_ids") or [])
+            if token_ids and not frozen:
+                frozen = True
+                os.kill(record.pid, signal.SIGSTOP)
+                try:
+                    tiny_fleet.redis.delete(tiny_fleet.keys.engine(engine_id))
+                    wait_until(
+                        lambda: _router_state(tiny_fleet, engine_id) == "SILENT",
+                        5.0,
+                        f"the router to find {engine_id} silent",
+                    )
+                finally:
+                    os.kill(record.pid, signal.SIGCONT)
+                wait_until(
+                    lambda: _router_state(tiny_fleet, engine_id) == "ACTIVE",
+                    tiny_fleet.cfg.engine_silence_grace_s,
+                    f"{engine_id} to be taken back",
+                )
+    assert frozen
+    assert token_ids == reference["choices"][0]["token_ids"], _first_difference(
+        token_ids, reference["choices"][0]["token_ids"]
+    )
+    assert _resumed(tiny_fleet) == resumed_before
+
+
 def test_engine_frozen_past_its_ttl_comes_back_into_dispatch(tiny_fleet: RunningFleet) -> None:
     """A live engine whose heartbeat lapsed (its process was starved) leaves dispatch, registers
     again by itself once it runs, and the router takes it back and serves from it."""

@@ -1,9 +1,11 @@
 """A router's fleet view read from a real Redis in one poll: every engine's record, load report
-and emptying mark; DEAD engines, engines of another protocol, and index entries whose record
-expired are each handled as the module says (``shoal_router.ipc.fleet``)."""
+and emptying mark; DEAD engines, engines of another protocol, index entries whose record
+expired, and engines whose heartbeat lapsed for a while are each handled as the module says
+(``shoal_router.ipc.fleet``)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -94,7 +96,7 @@ async def test_one_poll_reads_every_engine_and_tidies_the_index(client: aioredis
     await view.refresh()
     assert list(view.engines) == ["a", "c"]
     assert view.engines["c"].report is not None and view.engines["c"].report.num_running == 5
-    assert lost == [("b", "stopped heartbeating")]
+    assert lost == [("b", "was marked DEAD")]
 
 
 async def test_an_empty_fleet_reads_as_empty(client: aioredis.Redis) -> None:
@@ -102,3 +104,40 @@ async def test_an_empty_fleet_reads_as_empty(client: aioredis.Redis) -> None:
     await view.refresh()
     assert view.engines == {}
     assert await client.get(KEYS.epoch) == b"1"
+
+
+async def test_an_engine_whose_heartbeat_lapsed_is_silent_for_the_grace_then_lost(
+    client: aioredis.Redis,
+) -> None:
+    await _engine(client, "a")
+    await _engine(client, "b")
+    lost: list[tuple[str, str]] = []
+    view = FleetView(client, KEYS, lambda _: None, lambda *gone: lost.append(gone), silence_grace_s=0.5)
+    await view.refresh()
+
+    # a's record expires: it takes no new requests, but keeps what it runs.
+    await client.delete(KEYS.engine("a"))
+    await view.refresh()
+    assert view.engines["a"].state == "SILENT"
+    assert not view.engines["a"].dispatchable and not view.engines["a"].usable
+    assert view.engines["b"].dispatchable
+    assert lost == []
+
+    # Its heartbeat comes back within the grace: nothing happened.
+    await _engine(client, "a", running=4)
+    await view.refresh()
+    assert view.engines["a"].state == "ACTIVE" and view.engines["a"].dispatchable
+    assert lost == []
+
+    # Silent again, and for longer than the grace: lost, its requests go on elsewhere.
+    await client.delete(KEYS.engine("a"))
+    silent_at = time.monotonic()  # the grace starts in the refresh, no earlier
+    await view.refresh()
+    assert view.engines["a"].state == "SILENT"
+    while "a" in view.engines:
+        assert time.monotonic() - silent_at < 5.0, "a silent engine never lost"
+        assert lost == []
+        await asyncio.sleep(0.05)
+        await view.refresh()
+    assert time.monotonic() - silent_at >= 0.5
+    assert lost == [("a", "stopped heartbeating")]

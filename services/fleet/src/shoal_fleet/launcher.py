@@ -86,6 +86,9 @@ class FleetConfig:
     kv_cache_gib: int = 1
     """KV cache space per engine (``VLLM_CPU_KVCACHE_SPACE``)."""
     heartbeat_ttl_s: float = 3.0
+    engine_silence_grace_s: float = 1.0
+    """How long the router leaves the requests of an engine whose heartbeat lapsed where they are
+    (``--engine-silence-grace``)."""
     drain_timeout_s: float = 20.0
     enforce_eager: bool = True
     """Skip vLLM's graph compilation in the engines. On the CPU this starts each engine about
@@ -309,6 +312,8 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 str(cfg.router_port),
                 "--zmq-port",
                 str(cfg.router_zmq_port),
+                "--engine-silence-grace",
+                str(cfg.engine_silence_grace_s),
                 *_curve_args(cfg),
             ],
             logs / "router.log",

@@ -42,6 +42,10 @@ class RouterConfig(BaseModel):
     """After Redis restarts empty, how long engines whose records vanished keep serving while
     they register again (a missing record otherwise means the engine died)."""
 
+    engine_silence_grace_s: float = Field(default=1.0, ge=0.0)
+    """How long an engine whose heartbeat lapsed keeps its requests (getting no new ones) before
+    they go on elsewhere; a heartbeat within it brings the engine back with nothing lost."""
+
     fleet_poll_interval_s: float = Field(default=0.1, gt=0.0, le=5.0)
     """How often the engine registry and load reports are read from Redis."""
 

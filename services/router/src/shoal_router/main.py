@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         default=10.0,
         help="seconds engines get to register again after Redis restarts empty",
     )
+    parser.add_argument(
+        "--engine-silence-grace",
+        type=float,
+        default=1.0,
+        help="seconds an engine whose heartbeat lapsed keeps its requests before they go elsewhere",
+    )
     args = parser.parse_args(argv)
     return RouterConfig(
         models=args.model,
@@ -128,6 +134,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         queue_timeout_s=args.queue_timeout,
         max_dispatch_attempts=args.max_attempts,
         redis_restart_grace_s=args.redis_restart_grace,
+        engine_silence_grace_s=args.engine_silence_grace,
         zmq_curve_key_file=args.zmq_curve_key_file,
         key_requests_per_minute=args.key_rpm,
         key_tokens_per_minute=args.key_tpm,
@@ -180,6 +187,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         on_engine_added=lambda record: engines.connect(record.engine_id, record.zmq_address),
         on_engine_lost=engine_lost,
         restart_grace_s=config.redis_restart_grace_s,
+        silence_grace_s=config.engine_silence_grace_s,
     )
     tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
     generation = Generation(

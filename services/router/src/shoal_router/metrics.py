@@ -230,7 +230,7 @@ class RouterMetrics:
         )
         self.engines = Gauge(
             "shoal_router_engines",
-            "Engines seen in Redis, by model and state (ACTIVE, DRAINING, EMPTYING, UNREACHABLE).",
+            "Engines seen in Redis, by model and state (ACTIVE, DRAINING, EMPTYING, UNREACHABLE, SILENT).",
             ["model", "state"],
             registry=r,
         )

@@ -83,7 +83,7 @@ PAGE = """<!doctype html>
             box-shadow: 0 1px 3px rgba(0,0,0,.12); }
   .engine .name { font-weight: 600; } .engine .state { float: right; font-size: 12px; }
   .ACTIVE { color: #137333; } .DRAINING, .EMPTYING { color: #b06000; }
-  .UNREACHABLE, .STARTING { color: #a50e0e; }
+  .UNREACHABLE, .SILENT, .STARTING { color: #a50e0e; }
   .bar { height: 8px; background: #e3e6ee; border-radius: 4px; margin: 6px 0; }
   .bar div { height: 8px; background: #3b6fe0; border-radius: 4px; }
   table { border-collapse: collapse; background: #fff; box-shadow: 0 1px 3px rgba(0,0,0,.12); }

@@ -52,7 +52,7 @@ class EngineView:
 
     __slots__ = (
         "_connected", "_emptying", "_inflight", "_pending_blocks", "_record", "_report",
-        "_sent_since_report", "dispatchable", "free", "held", "room", "usable",
+        "_sent_since_report", "_silent", "dispatchable", "free", "held", "room", "usable",
     )  # fmt: skip
 
     def __init__(
@@ -64,6 +64,7 @@ class EngineView:
         connected: bool = True,
         pending_blocks: int = 0,
         emptying: bool = False,
+        silent: bool = False,
     ) -> None:
         self._record = record
         self._report = report
@@ -76,13 +77,16 @@ class EngineView:
         self._connected = connected
         # Whether the balancing leader is emptying it (``Keys.emptying``).
         self._emptying = emptying
+        # Whether its record expired (no heartbeat) within the last ``silence_grace_s``: its
+        # requests stay, but it gets no new ones (``FleetView``).
+        self._silent = silent
         self.usable = self.dispatchable = self.held = self.room = 0
         self.free = 0.0
         self._derive()
 
     def _derive(self) -> None:
         record, report = self._record, self._report
-        self.usable = record.state is ACTIVE and self._connected
+        self.usable = record.state is ACTIVE and self._connected and not self._silent
         self.dispatchable = self.usable and not self._emptying
         total = record.kv_blocks_total
         if report is None:  # not reported yet: what this router sent is all it knows
@@ -107,6 +111,7 @@ class EngineView:
     pending_blocks: _Input[int] = _Input()
     inflight: _Input[int] = _Input()
     emptying: _Input[bool] = _Input()
+    silent: _Input[bool] = _Input()
 
     @property
     def report(self) -> LoadReport | None:
@@ -126,9 +131,12 @@ class EngineView:
     @property
     def state(self) -> str:
         """The engine's registered state, UNREACHABLE while this router's link to it is down,
-        or EMPTYING while the balancing leader empties it."""
+        SILENT while its heartbeat has lapsed (for at most the fleet view's grace), or EMPTYING
+        while the balancing leader empties it."""
         if not self._connected:
             return "UNREACHABLE"
+        if self._silent:
+            return "SILENT"
         if self._emptying and self.usable:
             return "EMPTYING"
         return str(self._record.state)

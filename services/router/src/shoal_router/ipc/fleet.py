@@ -3,14 +3,24 @@
 Each poll is one round trip: a Lua script (``_READ_FLEET``) reads the engine index (a SET) and
 every engine's record, load report and emptying mark (``Keys.emptying``: the balancing leader is
 emptying it). The same reads as two pipelined round trips cost the router about 1.5 ms of CPU
-per poll, 1.5 % of a core at ten polls a second with nothing to serve. An
-engine whose record has expired (no heartbeat within its TTL) or says DEAD is lost: its socket
-closes and its requests go on on other engines. A DRAINING engine keeps its requests but gets no
-new ones, and so does an EMPTYING one (its requests move away). Nothing on the token path waits
-on Redis; if Redis cannot be read, the last view stays in force and the next poll tries again.
+per poll, 1.5 % of a core at ten polls a second with nothing to serve.
 
-A Redis that restarted empty looks like every engine's record expiring at once. The first round
-trip also sets the cluster's ``epoch`` key if it is missing; when it was, Redis lost its data,
+An engine whose record says DEAD is lost: its socket closes and its requests go on on other
+engines. One whose record expired (no heartbeat within its TTL) is SILENT first: it gets no new
+requests, but its requests stay where they are, for ``silence_grace_s``. A heartbeat within
+that time makes it ACTIVE again with nothing lost; none, and it is lost too. A machine that
+stalls every process for longer than the TTL (or engines cut off from Redis for a while, but
+not from the router) lets every record expire at once while every engine is alive and
+streaming; without the grace, the router would stop every stream of the fleet to start it
+again elsewhere. An engine process that dies drops its ZeroMQ link, which the router notices
+at once, whatever its record says (``EngineClient``).
+
+A DRAINING engine keeps its requests but gets no new ones, and so does an EMPTYING one (its
+requests move away). Nothing on the token path waits on Redis; if Redis cannot be read, the last
+view stays in force and the next poll tries again.
+
+A Redis that restarted empty looks like every engine's record expiring at once. The poll also
+sets the cluster's ``epoch`` key if it is missing; when it was, Redis lost its data,
 and engines whose records are gone keep serving for ``restart_grace_s`` while they register
 again (they do at their next heartbeat).
 """
@@ -68,9 +78,13 @@ class FleetView:
         on_engine_added: Callable[[EngineRecord], None],
         on_engine_lost: Callable[[str, str], None],
         restart_grace_s: float = 10.0,
+        silence_grace_s: float = 1.0,
     ) -> None:
         self._client = client
         self._restart_grace_s = restart_grace_s
+        self._silence_grace_s = silence_grace_s
+        # Engines whose record expired, and when this router first found it gone.
+        self._silent_since: dict[str, float] = {}
         self._restarted_at = float("-inf")
         self._keys = keys
         self._on_added = on_engine_added
@@ -127,15 +141,33 @@ class FleetView:
                 continue
             seen.add(engine_id)
             self._upsert(record, report, bool(emptying))
+        now = time.monotonic()
         # Right after Redis lost its data, a missing record is no sign of death (DEAD still is).
-        in_grace = time.monotonic() - self._restarted_at < self._restart_grace_s
-        for engine_id in [e for e in self.engines if e not in seen and (e in dead or not in_grace)]:
-            del self.engines[engine_id]
-            logger.warning("engine %s left the fleet (heartbeat expired or marked DEAD)", engine_id)
-            self._on_lost(engine_id, "stopped heartbeating")
+        in_grace = now - self._restarted_at < self._restart_grace_s
+        for engine_id in [e for e in self.engines if e not in seen]:
+            if engine_id in dead:
+                self._lose(engine_id, "marked DEAD", "was marked DEAD")
+            elif not in_grace:
+                since = self._silent_since.setdefault(engine_id, now)
+                if now - since >= self._silence_grace_s:
+                    self._lose(engine_id, "heartbeat expired", "stopped heartbeating")
+                elif not self.engines[engine_id].silent:
+                    self.engines[engine_id].silent = True
+                    logger.warning(
+                        "engine %s missed its heartbeat: no new requests for it; its requests stay "
+                        "there for %.1f s while it may come back",
+                        engine_id,
+                        self._silence_grace_s,
+                    )
         if stale:
             # Index entries whose record expired; the engine re-adds itself if it comes back.
             await self._client.srem(self._keys.engines, *stale)
+
+    def _lose(self, engine_id: str, why: str, reason: str) -> None:
+        del self.engines[engine_id]
+        self._silent_since.pop(engine_id, None)
+        logger.warning("engine %s left the fleet (%s)", engine_id, why)
+        self._on_lost(engine_id, reason)
 
     def _upsert(self, record: EngineRecord, report: LoadReport | None, emptying: bool = False) -> None:
         view = self.engines.get(record.engine_id)
@@ -148,6 +180,12 @@ class FleetView:
                 "engine %s joined: model %s at %s", record.engine_id, record.model, record.zmq_address
             )
         view.record = record
+        if self._silent_since.pop(record.engine_id, None) is not None and view.silent:
+            view.silent = False
+            logger.info(
+                "engine %s is heartbeating again: back in dispatch, its requests never moved",
+                record.engine_id,
+            )
         if view.emptying != emptying:
             view.emptying = emptying
         if report is not None:
