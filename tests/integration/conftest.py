@@ -19,12 +19,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from _pytest.reports import TestReport
 
 from shoal_fleet.launcher import Fleet, FleetConfig, write_curve_key
@@ -36,6 +37,8 @@ from tests.integration.support import (
     SMOL,
     TINY,
     RunningFleet,
+    free_port,
+    redis_server,
 )
 
 # Log folders of the running fleets: a failed test's report carries their service lines, so a
@@ -209,3 +212,20 @@ def reference_token_ids(_reference_job: tuple[subprocess.Popen[bytes], Path]) ->
     assert code == 0, f"offline vLLM reference run failed ({code}); see {out.parent / 'reference.log'}"
     token_ids: list[list[int]] = json.loads(out.read_text())["token_ids"]
     return token_ids
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A Redis server of the test module's own (a module may name another, a fixed port say)."""
+    port = free_port()
+    with redis_server(port):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A client of the module's Redis, on an empty database."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()

@@ -4,7 +4,7 @@ finds in kmock (an in-memory Kubernetes API over HTTP; no API server runs here).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import kmock as kmock_lib
@@ -34,16 +34,13 @@ def redis_url() -> Iterator[str]:
         yield f"redis://127.0.0.1:{PORT}/0"
 
 
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
-
-
 async def _engine(
-    client: aioredis.Redis, engine_id: str, used: int, free: int, state: str = "ACTIVE", age_s: float = 0.0
+    redis_client: aioredis.Redis,
+    engine_id: str,
+    used: int,
+    free: int,
+    state: str = "ACTIVE",
+    age_s: float = 0.0,
 ) -> None:
     """What a running engine keeps in Redis: its record, its index entry, its load report."""
     keys = Keys(CLUSTER_ID)
@@ -55,28 +52,28 @@ async def _engine(
         engine_id=engine_id, seq=1, time=time.time() - age_s, kv_blocks_used=used, kv_blocks_free=free,
         num_waiting=used // 100,
     )  # fmt: skip
-    await client.sadd(keys.engines, engine_id)
-    await client.set(keys.engine(engine_id), json_encoder.encode(record))
-    await client.set(keys.load(engine_id), json_encoder.encode(report))
+    await redis_client.sadd(keys.engines, engine_id)
+    await redis_client.set(keys.engine(engine_id), json_encoder.encode(record))
+    await redis_client.set(keys.load(engine_id), json_encoder.encode(report))
 
 
-async def test_load_counts_only_active_engines_with_fresh_reports(client: aioredis.Redis) -> None:
-    await _engine(client, "e0", used=800, free=200)
-    await _engine(client, "e1", used=400, free=600)
-    await _engine(client, "e2", used=1000, free=0, state="DRAINING")  # leaving: not capacity
-    await _engine(client, "e3", used=1000, free=0, age_s=STALE_S + 5)  # stopped reporting
-    load = await read_load(client, CLUSTER_ID, time.time())
+async def test_load_counts_only_active_engines_with_fresh_reports(redis_client: aioredis.Redis) -> None:
+    await _engine(redis_client, "e0", used=800, free=200)
+    await _engine(redis_client, "e1", used=400, free=600)
+    await _engine(redis_client, "e2", used=1000, free=0, state="DRAINING")  # leaving: not capacity
+    await _engine(redis_client, "e3", used=1000, free=0, age_s=STALE_S + 5)  # stopped reporting
+    load = await read_load(redis_client, CLUSTER_ID, time.time())
     assert load.engines == 2
     assert load.kv_usage == pytest.approx(1200 / 2000)
     assert load.queue_per_engine == pytest.approx((8 + 4) / 2)
 
 
-async def test_engine_loads_name_each_engine_with_its_state(client: aioredis.Redis) -> None:
+async def test_engine_loads_name_each_engine_with_its_state(redis_client: aioredis.Redis) -> None:
     """What a scale-down chooses from: every engine with a fresh report, DRAINING ones too."""
-    await _engine(client, "e0", used=800, free=200)
-    await _engine(client, "e1", used=400, free=600, state="DRAINING")
-    await _engine(client, "e2", used=100, free=900, age_s=STALE_S + 5)  # stopped reporting
-    loads = await read_engine_loads(client, CLUSTER_ID, time.time())
+    await _engine(redis_client, "e0", used=800, free=200)
+    await _engine(redis_client, "e1", used=400, free=600, state="DRAINING")
+    await _engine(redis_client, "e2", used=100, free=900, age_s=STALE_S + 5)  # stopped reporting
+    loads = await read_engine_loads(redis_client, CLUSTER_ID, time.time())
     assert loads == {
         "e0": EngineLoad(state="ACTIVE", waiting=8, kv_blocks_used=800, kv_blocks_free=200),
         "e1": EngineLoad(state="DRAINING", waiting=4, kv_blocks_used=400, kv_blocks_free=600),
@@ -97,12 +94,12 @@ def _cluster(replicas: int, annotations: dict[str, str] | None = None) -> dict[s
 
 
 async def test_busy_fleet_grows_then_waits_for_the_cool_down(
-    client: aioredis.Redis, redis_url: str, kmock: kmock_lib.KubernetesEmulator
+    redis_client: aioredis.Redis, redis_url: str, kmock: kmock_lib.KubernetesEmulator
 ) -> None:
     kmock.resources[CLUSTERS] = kmock_lib.ResourceInfo(kind=KIND, namespaced=True, verbs={"get", "patch"})
     kmock.objects[CLUSTERS, NS, NAME] = _cluster(replicas=2)
     for i in range(2):
-        await _engine(client, f"auto-engine-{i}", used=900, free=100)  # 90 % KV in use, target 50 %
+        await _engine(redis_client, f"auto-engine-{i}", used=900, free=100)  # 90 % KV in use, target 50 %
 
     async def url(_cluster: Cluster) -> str:
         return redis_url

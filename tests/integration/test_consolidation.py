@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,7 +21,7 @@ from shoal_router.core.rebalance import BalancePolicy, Lease, Rebalancer
 from shoal_router.core.scheduling import Ask, Scheduler
 from shoal_router.ipc.fleet import FleetView
 from shoal_router.metrics import RouterMetrics
-from tests.integration.support import free_port, redis_server
+from tests.integration.support import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -31,25 +30,10 @@ KEYS = Keys(CLUSTER)
 TOTAL = 1000
 
 
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    port = free_port()
-    with redis_server(port):
-        yield f"redis://127.0.0.1:{port}/0"
-
-
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
-
-
 _SEQ = itertools.count(1)
 
 
-async def _engine(client: aioredis.Redis, engine_id: str, running: int, used: int) -> None:
+async def _engine(redis_client: aioredis.Redis, engine_id: str, running: int, used: int) -> None:
     """An engine's record, index entry and a fresh load report."""
     record = EngineRecord(
         engine_id=engine_id, model="m", zmq_address=f"tcp://127.0.0.1:{free_port()}",
@@ -61,13 +45,13 @@ async def _engine(client: aioredis.Redis, engine_id: str, running: int, used: in
         engine_id=engine_id, seq=next(_SEQ), time=time.time(), num_running=running, kv_blocks_used=used,
         kv_blocks_free=TOTAL - used,
     )  # fmt: skip
-    await client.sadd(KEYS.engines, engine_id)
-    await client.set(KEYS.engine(engine_id), json_encoder.encode(record))
-    await client.set(KEYS.load(engine_id), json_encoder.encode(report))
+    await redis_client.sadd(KEYS.engines, engine_id)
+    await redis_client.set(KEYS.engine(engine_id), json_encoder.encode(record))
+    await redis_client.set(KEYS.load(engine_id), json_encoder.encode(report))
 
 
-def _fleet(client: aioredis.Redis) -> FleetView:
-    return FleetView(client, KEYS, lambda _: None, lambda *_: None)
+def _fleet(redis_client: aioredis.Redis) -> FleetView:
+    return FleetView(redis_client, KEYS, lambda _: None, lambda *_: None)
 
 
 async def _until(what: str, check: object, timeout_s: float = 10.0) -> None:
@@ -78,22 +62,22 @@ async def _until(what: str, check: object, timeout_s: float = 10.0) -> None:
 
 
 async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dispatching_there(
-    client: aioredis.Redis,
+    redis_client: aioredis.Redis,
 ) -> None:
-    await _engine(client, "a", running=2, used=300)
-    await _engine(client, "b", running=1, used=100)
-    await _engine(client, "c", running=2, used=200)
-    leader_view, other_view = _fleet(client), _fleet(client)
+    await _engine(redis_client, "a", running=2, used=300)
+    await _engine(redis_client, "b", running=1, used=100)
+    await _engine(redis_client, "c", running=2, used=200)
+    leader_view, other_view = _fleet(redis_client), _fleet(redis_client)
     metrics = RouterMetrics()
     policy = BalancePolicy(threshold=0.1, patience=1, consolidate_below=0.5, consolidate_release=0.7)
     rebalancer = Rebalancer(
-        Lease(client, KEYS.leader, "router-0", ttl_s=5.0),
+        Lease(redis_client, KEYS.leader, "router-0", ttl_s=5.0),
         leader_view.engines.values,
         metrics,
         policy,
         interval_s=0.1,
         timeout_s=2.0,
-        client=client,
+        client=redis_client,
         keys=KEYS,
     )
     tasks = [
@@ -101,10 +85,11 @@ async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dis
         asyncio.create_task(rebalancer.run_forever()),
     ]
     try:
-        await _until("the emptying mark on b", lambda: client.exists(KEYS.emptying("b")))
-        assert 0 < await client.pttl(KEYS.emptying("b")) <= 3000
-        assert await client.get(KEYS.emptying("b")) == b"router-0"
-        assert not await client.exists(KEYS.emptying("a")) and not await client.exists(KEYS.emptying("c"))
+        await _until("the emptying mark on b", lambda: redis_client.exists(KEYS.emptying("b")))
+        assert 0 < await redis_client.pttl(KEYS.emptying("b")) <= 3000
+        assert await redis_client.get(KEYS.emptying("b")) == b"router-0"
+        assert not await redis_client.exists(KEYS.emptying("a"))
+        assert not await redis_client.exists(KEYS.emptying("c"))
 
         # Another router reads the mark with the fleet, and dispatch leaves b alone.
         await other_view.refresh()
@@ -125,11 +110,11 @@ async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dis
         assert metrics.emptying._value.get() == 1
 
         # The load climbs past the release point over a and c: b goes back to dispatch.
-        await _engine(client, "a", running=6, used=700)
-        await _engine(client, "c", running=6, used=750)
+        await _engine(redis_client, "a", running=6, used=700)
+        await _engine(redis_client, "c", running=6, used=750)
 
         async def released() -> bool:
-            return not await client.exists(KEYS.emptying("b"))
+            return not await redis_client.exists(KEYS.emptying("b"))
 
         await _until("the mark to go", released)
         await other_view.refresh()
@@ -140,30 +125,30 @@ async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dis
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def test_a_leader_that_stops_takes_its_marks_with_it(client: aioredis.Redis) -> None:
+async def test_a_leader_that_stops_takes_its_marks_with_it(redis_client: aioredis.Redis) -> None:
     for name in "abcd":
-        await _engine(client, name, running=1, used=100)
-    view = _fleet(client)
+        await _engine(redis_client, name, running=1, used=100)
+    view = _fleet(redis_client)
     await view.refresh()
     rebalancer = Rebalancer(
-        Lease(client, KEYS.leader, "router-0", ttl_s=5.0),
+        Lease(redis_client, KEYS.leader, "router-0", ttl_s=5.0),
         view.engines.values,
         RouterMetrics(),
         BalancePolicy(threshold=0.1, patience=1, consolidate_below=0.5, consolidate_release=0.7),
         interval_s=0.1,
         timeout_s=2.0,
-        client=client,
+        client=redis_client,
         keys=KEYS,
     )
     task = asyncio.create_task(rebalancer.run_forever())
 
     async def three_marked() -> bool:
-        return len(await client.keys(KEYS.emptying("*"))) == 3
+        return len(await redis_client.keys(KEYS.emptying("*"))) == 3
 
     try:
         await _until("three engines marked (the last one stays)", three_marked)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    assert await client.keys(KEYS.emptying("*")) == []
-    assert not await client.exists(KEYS.leader)
+    assert await redis_client.keys(KEYS.emptying("*")) == []
+    assert not await redis_client.exists(KEYS.leader)
