@@ -170,8 +170,9 @@ def test_a_priority_request_answers_alike_and_its_engine_keeps_headroom_for_it(
 
         def holder() -> str | None:
             """The engine running the request now, as the router says. Usually its first
-            token's engine; a machine stall that outlasts an engine's heartbeat makes the router
-            continue the request on the other engine, and the headroom goes along."""
+            token's engine; a machine stall that outlasts an engine's heartbeat and the router's
+            grace for it makes the router continue the request on the other engine, and the
+            headroom goes along."""
             state = httpx.get(tiny_fleet.base_url + "/fleet/state", timeout=10).json()
             return next((r["engine"] for r in state["requests"] if r["id"] == request_id), None)
 
