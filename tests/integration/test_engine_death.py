@@ -50,6 +50,7 @@ def test_an_engine_back_within_the_silence_grace_keeps_its_stream(tiny_fleet: Ru
     }
     reference = httpx.post(tiny_fleet.base_url + "/v1/completions", json=body, timeout=60).json()
     resumed_before = _resumed(tiny_fleet)
+    back_before = _silences(tiny_fleet, "back")
     token_ids: list[int] = []
     with httpx.stream(
         "POST", tiny_fleet.base_url + "/v1/completions", json={**body, "stream": True}, timeout=60
@@ -86,6 +87,7 @@ def test_an_engine_back_within_the_silence_grace_keeps_its_stream(tiny_fleet: Ru
         token_ids, reference["choices"][0]["token_ids"]
     )
     assert _resumed(tiny_fleet) == resumed_before
+    assert _silences(tiny_fleet, "back") == back_before + 1
 
 
 def test_engine_frozen_past_its_ttl_comes_back_into_dispatch(tiny_fleet: RunningFleet) -> None:
@@ -302,6 +304,14 @@ def _resumed(fleet: RunningFleet) -> float:
     text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
     counts = re.findall(r"^shoal_router_resumed_requests_total\{[^}]*\} (\S+)$", text, re.M)
     return sum(float(count) for count in counts)
+
+
+def _silences(fleet: RunningFleet, outcome: str) -> float:
+    """Engines whose heartbeat lapsed and came back (``back``) or not (``lost``), from the
+    router's Prometheus counter."""
+    text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
+    found = re.search(rf'^shoal_router_engine_silences_total\{{outcome="{outcome}"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from shoal_protos.messages import PROTOCOL_VERSION
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
 from shoal_router.ipc.fleet import FleetView
+from shoal_router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.integration
 
@@ -95,7 +96,19 @@ async def test_an_engine_whose_heartbeat_lapsed_is_silent_for_the_grace_then_los
     await _engine(redis_client, "a")
     await _engine(redis_client, "b")
     lost: list[tuple[str, str]] = []
-    view = FleetView(redis_client, KEYS, lambda _: None, lambda *gone: lost.append(gone), silence_grace_s=0.5)
+    metrics = RouterMetrics()
+    view = FleetView(
+        redis_client,
+        KEYS,
+        lambda _: None,
+        lambda *gone: lost.append(gone),
+        silence_grace_s=0.5,
+        metrics=metrics,
+    )
+
+    def silences(outcome: str) -> float:
+        return metrics.engine_silences.labels(outcome)._value.get()
+
     await view.refresh()
 
     # a's record expires: it takes no new requests, but keeps what it runs.
@@ -111,6 +124,7 @@ async def test_an_engine_whose_heartbeat_lapsed_is_silent_for_the_grace_then_los
     await view.refresh()
     assert view.engines["a"].state == "ACTIVE" and view.engines["a"].dispatchable
     assert lost == []
+    assert (silences("back"), silences("lost")) == (1, 0)
 
     # Silent again, and for longer than the grace: lost, its requests go on elsewhere.
     await redis_client.delete(KEYS.engine("a"))
@@ -124,3 +138,4 @@ async def test_an_engine_whose_heartbeat_lapsed_is_silent_for_the_grace_then_los
         await view.refresh()
     assert time.monotonic() - silent_at >= 0.5
     assert lost == [("a", "stopped heartbeating")]
+    assert (silences("back"), silences("lost")) == (1, 1)

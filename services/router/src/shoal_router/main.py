@@ -188,6 +188,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         on_engine_lost=engine_lost,
         restart_grace_s=config.redis_restart_grace_s,
         silence_grace_s=config.engine_silence_grace_s,
+        metrics=metrics,
     )
     tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
     generation = Generation(

@@ -206,6 +206,13 @@ class RouterMetrics:
             ["model", "code"],
             registry=r,
         )
+        self.engine_silences = Counter(
+            "shoal_router_engine_silences",
+            "Engines whose heartbeat lapsed, by how it ended: back (a heartbeat within "
+            "--engine-silence-grace, nothing moved) or lost (their requests went on elsewhere).",
+            ["outcome"],
+            registry=r,
+        )
         self.balance_migrations = Counter(
             "shoal_router_balance_migrations",
             "Balancing migrations this router asked for as the cluster's leader, by outcome.",

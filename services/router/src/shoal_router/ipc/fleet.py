@@ -48,6 +48,7 @@ from shoal_protos.records import (
     migration_record_decoder,
 )
 from shoal_router.core.dispatch import EngineView
+from shoal_router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +80,14 @@ class FleetView:
         on_engine_lost: Callable[[str, str], None],
         restart_grace_s: float = 10.0,
         silence_grace_s: float = 1.0,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self._client = client
         self._restart_grace_s = restart_grace_s
         self._silence_grace_s = silence_grace_s
         # Engines whose record expired, and when this router first found it gone.
         self._silent_since: dict[str, float] = {}
+        self._metrics = metrics
         self._restarted_at = float("-inf")
         self._keys = keys
         self._on_added = on_engine_added
@@ -150,6 +153,7 @@ class FleetView:
             elif not in_grace:
                 since = self._silent_since.setdefault(engine_id, now)
                 if now - since >= self._silence_grace_s:
+                    self._count_silence("lost")
                     self._lose(engine_id, "heartbeat expired", "stopped heartbeating")
                 elif not self.engines[engine_id].silent:
                     self.engines[engine_id].silent = True
@@ -162,6 +166,10 @@ class FleetView:
         if stale:
             # Index entries whose record expired; the engine re-adds itself if it comes back.
             await self._client.srem(self._keys.engines, *stale)
+
+    def _count_silence(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.engine_silences.labels(outcome).inc()
 
     def _lose(self, engine_id: str, why: str, reason: str) -> None:
         del self.engines[engine_id]
@@ -182,6 +190,7 @@ class FleetView:
         view.record = record
         if self._silent_since.pop(record.engine_id, None) is not None and view.silent:
             view.silent = False
+            self._count_silence("back")
             logger.info(
                 "engine %s is heartbeating again: back in dispatch, its requests never moved",
                 record.engine_id,
