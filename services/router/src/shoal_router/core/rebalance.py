@@ -312,11 +312,15 @@ class Rebalancer:
         if self._client is None or self._keys is None or not (emptying or self._marked):
             return
         keys = self._keys
+        given_back = self._marked - set(emptying)
+        # Counted as marked before the round trip: a cancel that lands while it is under way (the
+        # leader stopping) leaves marks Redis may hold, and the last call removes them too.
+        self._marked |= set(emptying)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for engine_id in emptying:
                     pipe.set(keys.emptying(engine_id), self._lease.holder, px=self._mark_ttl_ms)
-                for engine_id in self._marked - set(emptying):
+                for engine_id in given_back:
                     pipe.delete(keys.emptying(engine_id))
                 await pipe.execute()
             self._marked = set(emptying)
