@@ -32,7 +32,8 @@ from tests.integration.test_migration import _agree
 pytestmark = pytest.mark.integration
 
 REJOIN_AFTER_S = 10.0
-STREAMS, MAX_TOKENS = 6, 160
+# Long enough to outlast a stall of the machine of several seconds before the drain is asked.
+STREAMS, MAX_TOKENS = 6, 400
 
 
 def _states(fleet: RunningFleet) -> dict[str, str]:
