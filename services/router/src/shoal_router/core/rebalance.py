@@ -312,10 +312,11 @@ class Rebalancer:
         if self._client is None or self._keys is None or not (emptying or self._marked):
             return
         keys = self._keys
-        given_back = self._marked - set(emptying)
+        marking = set(emptying)
+        given_back = self._marked - marking
         # Counted as marked before the round trip: a cancel that lands while it is under way (the
         # leader stopping) leaves marks Redis may hold, and the last call removes them too.
-        self._marked |= set(emptying)
+        self._marked |= marking
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for engine_id in emptying:
@@ -323,7 +324,7 @@ class Rebalancer:
                 for engine_id in given_back:
                     pipe.delete(keys.emptying(engine_id))
                 await pipe.execute()
-            self._marked = set(emptying)
+            self._marked = marking
         except (RedisError, OSError) as exc:
             logger.warning("cannot write the emptying marks: %s", exc)
 

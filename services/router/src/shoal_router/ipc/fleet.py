@@ -149,12 +149,12 @@ class FleetView:
         in_grace = now - self._restarted_at < self._restart_grace_s
         for engine_id in [e for e in self.engines if e not in seen]:
             if engine_id in dead:
-                self._lose(engine_id, "marked DEAD", "was marked DEAD")
+                self._lose(engine_id, "was marked DEAD")
             elif not in_grace:
                 since = self._silent_since.setdefault(engine_id, now)
                 if now - since >= self._silence_grace_s:
                     self._count_silence("lost")
-                    self._lose(engine_id, "heartbeat expired", "stopped heartbeating")
+                    self._lose(engine_id, "stopped heartbeating")
                 elif not self.engines[engine_id].silent:
                     self.engines[engine_id].silent = True
                     logger.warning(
@@ -171,10 +171,10 @@ class FleetView:
         if self._metrics is not None:
             self._metrics.engine_silences.labels(outcome).inc()
 
-    def _lose(self, engine_id: str, why: str, reason: str) -> None:
+    def _lose(self, engine_id: str, reason: str) -> None:
         del self.engines[engine_id]
         self._silent_since.pop(engine_id, None)
-        logger.warning("engine %s left the fleet (%s)", engine_id, why)
+        logger.warning("engine %s %s: it leaves the fleet", engine_id, reason)
         self._on_lost(engine_id, reason)
 
     def _upsert(self, record: EngineRecord, report: LoadReport | None, emptying: bool = False) -> None:
