@@ -91,11 +91,30 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
         proc.wait(timeout=10)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+# Ports handed out below the kernel's ephemeral range (32768-60999 by default): a port the
+# kernel picked for a bind to port 0 and that was closed again can go to the next such bind or
+# to an outgoing connection (a router's output socket took an engine's KV port that way), while
+# ports below the range are only ever bound when asked for by number.
+_PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+
+
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive ports nothing listens on now, none of them handed out
+    before in this test session (a KV agent takes two: data and control)."""
+    while True:
+        first = random.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
+        ports = range(first, first + count)
+        if _handed_out.intersection(ports):
+            continue
+        with contextlib.ExitStack() as probes:
+            try:
+                for port in ports:
+                    probes.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.update(ports)
+        return first
 
 
 @contextlib.contextmanager

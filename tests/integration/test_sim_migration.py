@@ -7,10 +7,8 @@ real size; the router's balancing leader moves requests off a crowded simulated 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,23 +57,13 @@ def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFle
     )  # fmt: skip
 
     def ports(_: int) -> list[str]:
-        return ["--control-port", str(free_port()), "--kv-port", str(_two_free_ports())]
+        return ["--control-port", str(free_port()), "--kv-port", str(free_port(2))]
 
     logs = tmp_path_factory.mktemp("sim-move")
     with sim_fleet(logs, CLUSTER, MODEL, engine_args, router_args, per_engine=ports) as fleet:
         client = redis.Redis.from_url(fleet.redis_url)
         yield MovingFleet(fleet.url, client, Keys(CLUSTER))
         client.close()
-
-
-def _two_free_ports() -> int:
-    """A port whose next one is free too (the KV agent's data and control sockets)."""
-    while True:
-        port = free_port()
-        if port < 65535:
-            with socket.socket() as probe, contextlib.suppress(OSError):
-                probe.bind(("127.0.0.1", port + 1))
-                return port
 
 
 def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: MovingFleet) -> None:
