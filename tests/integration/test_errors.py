@@ -105,7 +105,7 @@ def test_errors_leave_nothing_running(tiny_fleet: RunningFleet) -> None:
         reports = [tiny_fleet.load_report(tiny_fleet.cfg.engine_id(i)) for i in range(2)]
         return sum(r.num_running + r.num_waiting for r in reports if r is not None)
 
-    wait_until(lambda: busy() == 0, 10.0, "the engines to be idle after the error cases")
+    wait_until(lambda: busy() == 0, 30.0, "the engines to be idle after the error cases")
 
 
 @pytest.fixture

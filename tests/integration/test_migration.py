@@ -244,7 +244,7 @@ def test_staged_and_injected_kv_equal_the_source_bytes(smol_fleet: RunningFleet)
             staged["injected"] = smol_fleet.agent(target, read)
             return isinstance(staged["injected"], kv.BlockBytes)
 
-        wait_until(injected, 10.0, f"{target} to hold the request's blocks")
+        wait_until(injected, 30.0, f"{target} to hold the request's blocks")
         raise _CheckedError
 
     # Far longer than the check takes (the client may lag the engine by many tokens): the

@@ -136,7 +136,7 @@ def _out_of_rotation(fleet: RunningFleet, engine_id: str, routers: list[str]) ->
     try:
         for router in routers:
             gone = functools.partial(lambda at: _state_at(at, engine_id) == "DRAINING", router)
-            wait_until(gone, 10.0, f"{router} to see {engine_id} go")
+            wait_until(gone, 30.0, f"{router} to see {engine_id} go")
         yield
     finally:
         fleet.redis.set(key, raw, keepttl=True)
