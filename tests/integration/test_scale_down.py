@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -124,7 +125,9 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
             "engines ACTIVE",
         )
         wait_until(reporting, 60.0, "fresh load reports")
-        done = await _drain_while_streaming(smol_fleet, cluster, engines, prompts, references, asked_by)
+        done = await _drain_while_streaming(
+            smol_fleet, client, cluster, engines, prompts, references, asked_by
+        )
         if done is not None:
             victim, drained_at = done
             break
@@ -140,6 +143,7 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
 
 async def _drain_while_streaming(
     fleet: RunningFleet,
+    client: openai.AsyncOpenAI,
     cluster: Cluster,
     engines: list[str],
     prompts: list[list[int]],
@@ -149,7 +153,6 @@ async def _drain_while_streaming(
     """Start the streams, drain the engine the operator would remove, check every stream and the
     drain's migration records. Returns the drained engine and when its drain ended, or None when
     that engine held no stream by the time the drain came (every stream still checked)."""
-    client = async_client(fleet)
     started = asyncio.Event()
     on: dict[int, str] = {}
     request_ids: dict[int, str] = {}
