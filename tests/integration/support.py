@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import httpx
 import openai
+import psutil
 import redis
 import zmq
 
@@ -53,6 +54,12 @@ REFERENCE_PROMPTS = [_prompt(i, 8 + 3 * i) for i in range(32)]
 REFERENCE_MAX_TOKENS = 48
 
 
+STALL_S = 60.0
+"""How long a test waits on the fleet (one call, or a condition the fleet should bring about)
+before it calls a process stuck. A 2-core test machine under the whole suite's load stops single
+processes for up to about 40 s at a time; a passing run never waits this out."""
+
+
 GREEDY_IDS = {"ignore_eos": True, "return_token_ids": True}
 """``extra_body`` of the tests' greedy requests: the full length, token ids in every chunk."""
 
@@ -79,7 +86,7 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
         stdout=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + STALL_S
         ping = ["redis-cli", "-p", str(port), "ping"]
         while subprocess.run(ping, check=False, capture_output=True).stdout != b"PONG\n":
             assert time.monotonic() < deadline, "redis-server did not start"
@@ -88,7 +95,7 @@ def redis_server(port: int) -> Iterator[subprocess.Popen[bytes]]:
     finally:
         os.kill(proc.pid, signal.SIGCONT)  # a test may have frozen it
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=STALL_S)
 
 
 # Ports handed out below the kernel's ephemeral range (32768-60999 by default): a port the
@@ -148,15 +155,15 @@ def prometheus_server(folder: Path, jobs: dict[str, list[str]], interval_s: int 
         def ready() -> bool:
             assert proc.poll() is None, f"prometheus exited; see {folder / 'prometheus.log'}"
             try:
-                return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+                return httpx.get(url + "/-/ready", timeout=STALL_S).status_code == 200
             except httpx.HTTPError:
                 return False
 
-        wait_until(ready, 30, "Prometheus to be ready", every_s=0.2)
+        wait_until(ready, STALL_S, "Prometheus to be ready", every_s=0.2)
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.wait(timeout=STALL_S)
         log.close()
 
 
@@ -195,7 +202,7 @@ class RunningFleet:
     def engine_metrics(self, engine_id: str) -> str:
         record = self.engine_record(engine_id)
         assert record is not None, f"{engine_id} is not registered"
-        return httpx.get(record.http_address + "/metrics", timeout=5).text
+        return httpx.get(record.http_address + "/metrics", timeout=STALL_S).text
 
     def control(self, engine_id: str) -> pb_grpc.EngineControlStub:
         """The engine's gRPC EngineControl (migrate, drain, list migrations), over one channel
@@ -232,7 +239,7 @@ class RunningFleet:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
             sock.send(kv.encoder.encode(command))
-            assert sock.poll(10_000), f"{engine_id}'s KV agent did not answer"
+            assert sock.poll(int(STALL_S * 1000)), f"{engine_id}'s KV agent did not answer"
             return kv.agent_reply_decoder.decode(sock.recv())
 
     def kv_data_address(self, engine_id: str) -> str:
@@ -249,9 +256,27 @@ class RunningFleet:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@contextlib.contextmanager
+def model_frozen(fleet: RunningFleet, engine_id: str) -> Iterator[EngineRecord]:
+    """The engine's model processes (vLLM's engine core, under its front end) stopped for the
+    block: its requests cannot finish by themselves, while its front end goes on heartbeating,
+    reporting load and taking aborts. The tiny model decodes its whole context in seconds, faster
+    than a test on a loaded machine can look at a request; frozen, the request waits for it."""
+    record = fleet.engine_record(engine_id)
+    assert record is not None, f"{engine_id} is not registered"
+    cores = psutil.Process(record.pid).children(recursive=True)
+    for process in cores:
+        process.suspend()
+    try:
+        yield record
+    finally:
+        for process in cores:
+            process.resume()
+
+
 def dispatched(fleet: RunningFleet) -> dict[str, float]:
     """Requests the router sent to each engine, from its Prometheus counter."""
-    text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
+    text = httpx.get(fleet.base_url + "/metrics", timeout=STALL_S).text
     pattern = r'shoal_router_dispatched_total\{engine="([^"]+)",model="[^"]+",policy="[^"]+"\} ([0-9.e+]+)'
     counts: dict[str, float] = {}
     for engine, count in re.findall(pattern, text):
@@ -287,7 +312,7 @@ def extra_router(
     def ready() -> bool:
         assert proc.poll() is None, log_path.read_text()
         try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
+            return httpx.get(url + "/health", timeout=STALL_S).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -297,7 +322,7 @@ def extra_router(
     finally:
         if proc.poll() is None:
             proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=STALL_S)
 
 
 @dataclass(frozen=True)
@@ -363,7 +388,7 @@ def sim_fleet(
                 for proc in processes:
                     assert proc.poll() is None, f"a process exited; logs in {logs}"
                 try:
-                    health = httpx.get(url + "/health", timeout=2).json()
+                    health = httpx.get(url + "/health", timeout=STALL_S).json()
                 except (httpx.HTTPError, ValueError):
                     return False
                 return len(health.get("engines", {})) == engines
@@ -375,4 +400,4 @@ def sim_fleet(
                 if proc.poll() is None:
                     proc.terminate()
             for proc in processes:
-                proc.wait(timeout=30)
+                proc.wait(timeout=STALL_S)

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, extra_router, wait_until
+from tests.integration.support import STALL_S, RunningFleet, extra_router, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_api_keys_guard_the_api_and_the_admin_endpoints(
     with pytest.raises(openai.AuthenticationError) as refused:
         client("sk-wrong").completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)
     assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
-    bare = httpx.get(url + "/v1/models", timeout=10)
+    bare = httpx.get(url + "/v1/models", timeout=STALL_S)
     assert bare.status_code == 401 and bare.headers["www-authenticate"] == "Bearer"
 
     stream = client("sk-team-a").completions.create(
@@ -59,27 +59,28 @@ def test_api_keys_guard_the_api_and_the_admin_endpoints(
     assert sum(1 for _ in stream) >= 1
 
     for path in ("/metrics", "/fleet", "/fleet/state"):
-        assert httpx.get(url + path, timeout=10).status_code == 401, path
+        assert httpx.get(url + path, timeout=STALL_S).status_code == 401, path
         # The API key is not an admin key, and the admin key opens them.
         assert (
-            httpx.get(url + path, headers={"Authorization": "Bearer sk-team-a"}, timeout=10).status_code
+            httpx.get(url + path, headers={"Authorization": "Bearer sk-team-a"}, timeout=STALL_S).status_code
             == 401
         )
         assert (
-            httpx.get(url + path, headers={"Authorization": "Bearer sk-ops"}, timeout=10).status_code == 200
+            httpx.get(url + path, headers={"Authorization": "Bearer sk-ops"}, timeout=STALL_S).status_code
+            == 200
         )
-    assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes need no key
+    assert httpx.get(url + "/health", timeout=STALL_S).status_code == 200  # probes need no key
 
     # Rotation: the file changes (as a mounted Secret does); the router reads it again.
     api_keys.write_text(_line("team-a", "sk-team-a-2"))
     os.utime(api_keys, ns=(1, 1))
 
     def rotated() -> bool:
-        old = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-team-a"}, timeout=10)
-        new = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-team-a-2"}, timeout=10)
+        old = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-team-a"}, timeout=STALL_S)
+        new = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-team-a-2"}, timeout=STALL_S)
         return old.status_code == 401 and new.status_code == 200
 
-    wait_until(rotated, 15, "the rotated key to take effect", every_s=0.2)
+    wait_until(rotated, STALL_S, "the rotated key to take effect", every_s=0.2)
 
 
 def test_a_key_over_its_rate_limit_gets_429_with_retry_after(
@@ -97,7 +98,7 @@ def test_a_key_over_its_rate_limit_gets_429_with_retry_after(
     # rpm=2 refills one request every 30 s; the machine may have spent some of that already.
     assert 1 <= int(refused.value.response.headers["retry-after"]) <= 30
     other.completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)  # its own bucket
-    metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-ops"}, timeout=10).text
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-ops"}, timeout=STALL_S).text
     assert 'shoal_router_rate_limited_total{key="team-b"} 1.0' in metrics
 
 

@@ -18,7 +18,7 @@ import openai
 import psutil
 import pytest
 
-from tests.integration.support import RunningFleet, dispatched, wait_until
+from tests.integration.support import STALL_S, RunningFleet, dispatched, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -30,7 +30,7 @@ def _kill_engine(pid: int) -> None:
 
 
 def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
-    engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=5).json()["engines"]
+    engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=STALL_S).json()["engines"]
     return engines.get(engine_id)
 
 
@@ -72,14 +72,14 @@ def test_an_engine_back_within_the_silence_grace_keeps_its_stream(tiny_fleet: Ru
                     tiny_fleet.redis.delete(tiny_fleet.keys.engine(engine_id))
                     wait_until(
                         lambda: _router_state(tiny_fleet, engine_id) == "SILENT",
-                        5.0,
+                        STALL_S,
                         f"the router to find {engine_id} silent",
                     )
                 finally:
                     os.kill(record.pid, signal.SIGCONT)
                 wait_until(
                     lambda: _router_state(tiny_fleet, engine_id) == "ACTIVE",
-                    tiny_fleet.cfg.engine_silence_grace_s,
+                    STALL_S,
                     f"{engine_id} to be taken back",
                 )
     assert frozen
@@ -100,13 +100,15 @@ def test_engine_frozen_past_its_ttl_comes_back_into_dispatch(tiny_fleet: Running
     try:
         wait_until(
             lambda: _router_state(tiny_fleet, engine_id) is None,
-            tiny_fleet.cfg.heartbeat_ttl_s + 5.0,
+            tiny_fleet.cfg.heartbeat_ttl_s + STALL_S,
             f"the router to drop the frozen {engine_id}",
         )
     finally:
         os.kill(record.pid, signal.SIGCONT)
     wait_until(
-        lambda: _router_state(tiny_fleet, engine_id) == "ACTIVE", 10.0, f"the router to take {engine_id} back"
+        lambda: _router_state(tiny_fleet, engine_id) == "ACTIVE",
+        STALL_S,
+        f"the router to take {engine_id} back",
     )
     # Ties between idle engines break at random: 16 requests all missing it is a 1 in 65,536 chance.
     before = dispatched(tiny_fleet).get(engine_id, 0.0)
@@ -114,7 +116,7 @@ def test_engine_frozen_past_its_ttl_comes_back_into_dispatch(tiny_fleet: Running
         reply = httpx.post(
             tiny_fleet.base_url + "/v1/completions",
             json={"model": tiny_fleet.model, "prompt": [1, 2, 3], "max_tokens": 2},
-            timeout=30,
+            timeout=STALL_S,
         )
         assert reply.status_code == 200, reply.text
     assert dispatched(tiny_fleet).get(engine_id, 0.0) > before
@@ -194,7 +196,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         victim = ""
         try:
             for engine_id, record in records.items():
-                health = httpx.get(record.http_address + "/health", timeout=5).json()
+                health = httpx.get(record.http_address + "/health", timeout=STALL_S).json()
                 busy_at_kill[engine_id] = int(health.get("requests", 0))
             busiest = max(busy_at_kill, key=lambda e: busy_at_kill[e])
             if busy_at_kill[busiest]:  # else every stream finished first: the caller tries again
@@ -242,10 +244,10 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     # The heartbeat expires and the router forgets the engine; new requests go to the survivor.
     wait_until(
         lambda: tiny_fleet.redis.get(tiny_fleet.keys.engine(victim)) is None,
-        30.0,
+        STALL_S,
         f"{victim}'s Redis record to expire",
     )
-    wait_until(lambda: _router_state(tiny_fleet, victim) is None, 30.0, f"the router to forget {victim}")
+    wait_until(lambda: _router_state(tiny_fleet, victim) is None, STALL_S, f"the router to forget {victim}")
     for _ in range(4):
         reply = await client.completions.create(model=tiny_fleet.model, prompt=[1, 2], max_tokens=2)
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
@@ -261,7 +263,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         cores = psutil.Process(records[survivor].pid).children(recursive=True)
         for process in cores:
             process.suspend()
-        busy = int(httpx.get(records[survivor].http_address + "/health", timeout=5).json()["requests"])
+        busy = int(httpx.get(records[survivor].http_address + "/health", timeout=STALL_S).json()["requests"])
         if busy:
             _kill_engine(records[survivor].pid)
             killed.append(time.monotonic())
@@ -289,7 +291,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         f"{survivor} to leave dispatch",
     )
     assert time.monotonic() - killed_at <= tiny_fleet.cfg.heartbeat_ttl_s
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=STALL_S) as http:
         reply_503 = await http.post(
             tiny_fleet.base_url + "/v1/completions",
             json={"model": tiny_fleet.model, "prompt": [1, 2], "max_tokens": 2},
@@ -301,7 +303,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
 
 def _resumed(fleet: RunningFleet) -> float:
     """Requests the router continued on another engine, from its Prometheus counter."""
-    text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
+    text = httpx.get(fleet.base_url + "/metrics", timeout=STALL_S).text
     counts = re.findall(r"^shoal_router_resumed_requests_total\{[^}]*\} (\S+)$", text, re.M)
     return sum(float(count) for count in counts)
 
@@ -309,7 +311,7 @@ def _resumed(fleet: RunningFleet) -> float:
 def _silences(fleet: RunningFleet, outcome: str) -> float:
     """Engines whose heartbeat lapsed and came back (``back``) or not (``lost``), from the
     router's Prometheus counter."""
-    text = httpx.get(fleet.base_url + "/metrics", timeout=10).text
+    text = httpx.get(fleet.base_url + "/metrics", timeout=STALL_S).text
     found = re.search(rf'^shoal_router_engine_silences_total\{{outcome="{outcome}"\}} (\S+)$', text, re.M)
     return float(found.group(1)) if found else 0.0
 

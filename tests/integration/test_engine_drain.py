@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import STALL_S, RunningFleet, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -31,7 +31,7 @@ def test_sigterm_moves_running_request_away_then_leaves(smol_fleet: RunningFleet
     # engine registers again by itself, and the router must see it before this test starts.
     wait_until(
         lambda: all(
-            httpx.get(smol_fleet.base_url + "/health", timeout=5).json()["engines"].get(e) == "ACTIVE"
+            httpx.get(smol_fleet.base_url + "/health", timeout=STALL_S).json()["engines"].get(e) == "ACTIVE"
             for e in engines
         ),
         15.0,
@@ -53,7 +53,7 @@ def test_sigterm_moves_running_request_away_then_leaves(smol_fleet: RunningFleet
     # The engine says DRAINING in Redis, so routers stop sending it new requests ...
     wait_until(
         lambda: (r := smol_fleet.engine_record(victim)) is None or r.state == "DRAINING",
-        5.0,
+        STALL_S,
         f"{victim} to mark itself DRAINING",
     )
     # ... and moves the request it runs to the other engine, where it goes on to the end.
@@ -70,17 +70,17 @@ def test_sigterm_moves_running_request_away_then_leaves(smol_fleet: RunningFleet
     drained = [m for m in moves if m is not None and m.request_id == request_id]
     assert [(m.reason, m.source, m.outcome) for m in drained] == [("drain", victim, "MIGRATED")]
 
-    wait_until(lambda: smol_fleet.engine_record(victim) is None, 30.0, f"{victim} to leave Redis")
-    wait_until(lambda: _exited(record.pid), 60.0, f"{victim} to exit")
+    wait_until(lambda: smol_fleet.engine_record(victim) is None, STALL_S, f"{victim} to leave Redis")
+    wait_until(lambda: _exited(record.pid), STALL_S, f"{victim} to exit")
     wait_until(
-        lambda: victim not in httpx.get(smol_fleet.base_url + "/health", timeout=5).json()["engines"],
-        5.0,
+        lambda: victim not in httpx.get(smol_fleet.base_url + "/health", timeout=STALL_S).json()["engines"],
+        STALL_S,
         f"the router to forget {victim}",
     )
     # The other engine serves on.
     reply = httpx.post(
         smol_fleet.base_url + "/v1/completions",
         json={"model": smol_fleet.model, "prompt": "hi", "max_tokens": 2},
-        timeout=30,
+        timeout=STALL_S,
     )
     assert reply.status_code == 200, reply.text

@@ -10,13 +10,13 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import STALL_S, RunningFleet, wait_until
 
 pytestmark = pytest.mark.integration
 
 
 def _post(fleet: RunningFleet, path: str, **kwargs: object) -> httpx.Response:
-    return httpx.post(fleet.base_url + path, timeout=30, **kwargs)  # type: ignore[arg-type]
+    return httpx.post(fleet.base_url + path, timeout=STALL_S, **kwargs)  # type: ignore[arg-type]
 
 
 def _error(reply: httpx.Response, status: int) -> dict[str, object]:
@@ -97,7 +97,7 @@ def test_context_overflow_is_400_with_both_numbers(tiny_fleet: RunningFleet) -> 
 
 
 def test_unknown_path_is_404_json(tiny_fleet: RunningFleet) -> None:
-    _error(httpx.get(tiny_fleet.base_url + "/v1/nothing", timeout=10), 404)
+    _error(httpx.get(tiny_fleet.base_url + "/v1/nothing", timeout=STALL_S), 404)
 
 
 def test_errors_leave_nothing_running(tiny_fleet: RunningFleet) -> None:
@@ -105,7 +105,7 @@ def test_errors_leave_nothing_running(tiny_fleet: RunningFleet) -> None:
         reports = [tiny_fleet.load_report(tiny_fleet.cfg.engine_id(i)) for i in range(2)]
         return sum(r.num_running + r.num_waiting for r in reports if r is not None)
 
-    wait_until(lambda: busy() == 0, 30.0, "the engines to be idle after the error cases")
+    wait_until(lambda: busy() == 0, STALL_S, "the engines to be idle after the error cases")
 
 
 @pytest.fixture
@@ -139,29 +139,29 @@ def ghost_router(tiny_fleet: RunningFleet) -> Iterator[str]:
 
     def up() -> bool:
         try:
-            return httpx.get(url + "/health", timeout=1).status_code in (200, 503)
+            return httpx.get(url + "/health", timeout=STALL_S).status_code in (200, 503)
         except httpx.HTTPError:
             return False
 
     try:
-        wait_until(up, 30.0, "the second router to listen")
+        wait_until(up, STALL_S, "the second router to listen")
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.wait(timeout=STALL_S)
 
 
 def test_no_engine_is_503_with_retry_after(ghost_router: str, tiny_fleet: RunningFleet) -> None:
     reply = httpx.post(
-        ghost_router + "/v1/completions", json={"model": "ghost-model", "prompt": [1, 2, 3]}, timeout=30
+        ghost_router + "/v1/completions", json={"model": "ghost-model", "prompt": [1, 2, 3]}, timeout=STALL_S
     )
     error = _error(reply, 503)
     assert error["code"] == "no_engine"
     assert int(reply.headers["retry-after"]) >= 1
     # The second router sees the same fleet through Redis and serves the real model too.
     wait_until(
-        lambda: httpx.get(ghost_router + "/health", timeout=5).status_code == 200,
-        10.0,
+        lambda: httpx.get(ghost_router + "/health", timeout=STALL_S).status_code == 200,
+        STALL_S,
         "the second router to see the engines",
     )
     ok = httpx.post(

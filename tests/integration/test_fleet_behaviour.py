@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from tests.integration.support import (
     REFERENCE_MAX_TOKENS,
     REFERENCE_PROMPTS,
+    STALL_S,
     RunningFleet,
     dispatched,
+    model_frozen,
     wait_until,
 )
 
@@ -65,7 +67,7 @@ def test_redis_holds_engine_records_and_fresh_load_reports(tiny_fleet: RunningFl
         # Reports are rewritten at least every 100 ms: a newer one shows up soon.
         wait_until(
             lambda eid=engine_id, seq=first.seq: tiny_fleet.load_report(eid).seq >= seq + 3,  # type: ignore[misc]
-            timeout_s=2.0,
+            timeout_s=STALL_S,
             what=f"three more load reports from {engine_id}",
         )
 
@@ -94,8 +96,7 @@ def test_client_disconnect_aborts_on_engine(tiny_fleet: RunningFleet) -> None:
         "ignore_eos": True,
     }
     for _ in range(3):  # the tiny engine can finish the stream before this process acts
-        cores: list[psutil.Process] = []
-        try:
+        with contextlib.ExitStack() as frozen:
             with httpx.stream(
                 "POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=60
             ) as reply:
@@ -103,23 +104,15 @@ def test_client_disconnect_aborts_on_engine(tiny_fleet: RunningFleet) -> None:
                 lines = reply.iter_lines()
                 got = [next(lines) for _ in range(6)]
                 assert any(line.startswith("data: ") for line in got)
-                # Freeze the model under the serving engine: the request cannot finish by itself
-                # before the disconnect (its front end, which takes the ABORT, keeps running).
-                record = tiny_fleet.engine_record(reply.headers["x-shoal-engine"])
-                assert record is not None
-                cores = psutil.Process(record.pid).children(recursive=True)
-                for process in cores:
-                    process.suspend()
-                busy = httpx.get(record.http_address + "/health", timeout=10).json()["requests"]
+                # The request cannot finish by itself before the disconnect.
+                record = frozen.enter_context(model_frozen(tiny_fleet, reply.headers["x-shoal-engine"]))
+                busy = httpx.get(record.http_address + "/health", timeout=STALL_S).json()["requests"]
             # Leaving the block closed the connection mid-stream.
             if busy:
                 wait_until(
-                    lambda: aborted_total() == aborted_before + 1, 10.0, "the engine to count the abort"
+                    lambda: aborted_total() == aborted_before + 1, STALL_S, "the engine to count the abort"
                 )
-        finally:
-            for process in cores:
-                process.resume()
         if busy:
             break
     assert busy, "the stream finished before the disconnect, three times"
-    wait_until(lambda: running() == 0, 30.0, "the engines' running count to return to zero")
+    wait_until(lambda: running() == 0, STALL_S, "the engines' running count to return to zero")

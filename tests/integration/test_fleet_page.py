@@ -16,10 +16,9 @@ import threading
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import STALL_S, RunningFleet, model_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -67,29 +66,23 @@ def _page_with_a_stream_held(fleet: RunningFleet, screenshot: Path) -> tuple[str
 
     holder = threading.Thread(target=hold_a_stream, name="stream")
     holder.start()
-    frozen: list[psutil.Process] = []
     try:
         assert streaming.wait(120), "the stream never started"
-        record = fleet.engine_record(seen["engine"])
-        assert record is not None
-        frozen += psutil.Process(record.pid).children(recursive=True)
-        for process in frozen:
-            process.suspend()
+        with model_frozen(fleet, seen["engine"]):
 
-        def listed() -> bool:
-            state = httpx.get(fleet.base_url + "/fleet/state", timeout=10).json()
-            return any(r["id"] == seen["request"] for r in state["requests"])
+            def listed() -> bool:
+                state = httpx.get(fleet.base_url + "/fleet/state", timeout=STALL_S).json()
+                return any(r["id"] == seen["request"] for r in state["requests"])
 
-        try:
-            wait_until(listed, 10, "the request in /fleet/state")
-        except AssertionError:
-            return None
-        dom = _chromium("--dump-dom", fleet.base_url + "/fleet").stdout
-        _chromium(f"--screenshot={screenshot}", "--window-size=1280,800", fleet.base_url + "/fleet")
-        return dom, seen
+            try:
+                # Not listed once frozen: it had ended; the caller streams again.
+                wait_until(listed, 10, "the request in /fleet/state")
+            except AssertionError:
+                return None
+            dom = _chromium("--dump-dom", fleet.base_url + "/fleet").stdout
+            _chromium(f"--screenshot={screenshot}", "--window-size=1280,800", fleet.base_url + "/fleet")
+            return dom, seen
     finally:
-        for process in frozen:
-            process.resume()
         done.set()
         holder.join(timeout=60)
 

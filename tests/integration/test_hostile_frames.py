@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from shoal_protos import engine_control_pb2, kv, tokenizer_pb2
 from shoal_protos.messages import AbortRequest, AddRequest, FrameType, SamplingOptions
-from tests.integration.support import RunningFleet, wait_until
-from tests.integration.test_migration import Mover, stream
+from tests.integration.support import STALL_S, RunningFleet, wait_until
+from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, Mover, stream
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def _call_raw(address: str, path: str, body: bytes) -> grpc.StatusCode:
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(path, request_serializer=None, response_deserializer=None)
         try:
-            call(body, timeout=10)
+            call(body, timeout=STALL_S)
         except grpc.RpcError as exc:
             return exc.code()  # type: ignore[attr-defined, no-any-return]
         return grpc.StatusCode.OK
@@ -108,15 +108,17 @@ def _kv_agent_control(fleet: RunningFleet, engine_id: str) -> str:
 def _serves_and_migrates(fleet: RunningFleet) -> None:
     """Both engines answer, and a live migration between them still works."""
     wait_until(
-        lambda: httpx.get(fleet.base_url + "/health", timeout=5).status_code == 200, 30, "router health"
+        lambda: httpx.get(fleet.base_url + "/health", timeout=STALL_S).status_code == 200,
+        STALL_S,
+        "router health",
     )
     client = fleet.openai()
     for i in range(6):
         reply = client.completions.create(model=fleet.model, prompt=[3, 4, i], max_tokens=4)
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
     for _ in range(3):
-        mover = Mover(fleet, times=1, every=0, first=64)
-        out = stream(fleet, [31, 32, 33], fleet.cfg.max_model_len - 192, mover)
+        mover = Mover(fleet, times=1, every=0, first=1)
+        out = stream(fleet, TINY_PROMPT, TINY_LONG, mover)
         if mover.results:
             assert out.finish_reason == "length"
             return
@@ -138,7 +140,7 @@ def test_pickle_is_never_unpickled_and_hostile_frames_crash_nothing(
             req.setsockopt(zmq.LINGER, 0)
             req.connect(_kv_agent_control(tiny_fleet, tiny_fleet.cfg.engine_id(i)))
             req.send(payload)
-            assert req.poll(10_000), "the KV agent did not answer a bad command"
+            assert req.poll(int(STALL_S * 1000)), "the KV agent did not answer a bad command"
             reply = kv.agent_reply_decoder.decode(req.recv())
             assert isinstance(reply, kv.AgentError) and "undecodable" in reply.message
     for address, path, _ in _grpc_methods(tiny_fleet):

@@ -19,7 +19,7 @@ import pytest
 
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
-from tests.integration.support import GREEDY_IDS, RunningFleet, async_client, greedy_ids, wait_until
+from tests.integration.support import GREEDY_IDS, STALL_S, RunningFleet, async_client, greedy_ids, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +27,11 @@ ENGINES = ("engine-0", "engine-1")
 # Output tokens of a SmolLM2 test stream: long enough to still be decoding while a test moves it.
 LONG = 200
 # The tiny random model decodes 2,000 tokens in a few seconds here, about as long as the machine
-# may leave a client unscheduled: its streams use nearly all of its 8,192-token context.
+# may leave a client unscheduled: its streams use nearly all of its 8,192-token context. They are
+# moved at their first chunk, when the engine is least far ahead of the client, with a prompt of
+# eight KV blocks already to copy.
 TINY_LONG = 8000
+TINY_PROMPT = [10 + 7 * i for i in range(128)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -168,8 +171,8 @@ def test_stream_moved_matches_unmoved(
         )
         length, every, first = LONG, 4, 4
     else:
-        # Moved back to back once it holds a few KV blocks: the tiny model outruns any client.
-        prompt, length, every, first = [30, 40, 50, 60], TINY_LONG, 0, 64
+        # Moved back to back at its first chunk: the tiny model outruns any client.
+        prompt, length, every, first = TINY_PROMPT, TINY_LONG, 0, 1
     ref_ids, ref_text = unmoved(fleet, prompt, length)
     assert len(ref_text) > 200
     # A stream that finished before its last move is still checked, and the moves tried again.
@@ -244,7 +247,7 @@ def test_staged_and_injected_kv_equal_the_source_bytes(smol_fleet: RunningFleet)
             staged["injected"] = smol_fleet.agent(target, read)
             return isinstance(staged["injected"], kv.BlockBytes)
 
-        wait_until(injected, 30.0, f"{target} to hold the request's blocks")
+        wait_until(injected, STALL_S, f"{target} to hold the request's blocks")
         raise _CheckedError
 
     # Far longer than the check takes (the client may lag the engine by many tokens): the
@@ -286,7 +289,7 @@ def test_target_without_room_refuses_and_the_request_stays(smol_fleet: RunningFl
                     max_blocks=blocks,
                     bytes_per_block=status.bytes_per_block,
                 ),
-                timeout=10,
+                timeout=STALL_S,
             )
             return reply.accepted
 
@@ -302,7 +305,9 @@ def test_target_without_room_refuses_and_the_request_stays(smol_fleet: RunningFl
             outcomes.append(smol_fleet.migrate(out.request_id, source, target))
         finally:
             for name in held:
-                smol_fleet.control(target).CancelMigration(pb.CancelRequest(migration_id=name), timeout=10)
+                smol_fleet.control(target).CancelMigration(
+                    pb.CancelRequest(migration_id=name), timeout=STALL_S
+                )
 
     got = stream(smol_fleet, prompt, LONG, fill_then_move)
     assert outcomes[0].outcome == pb.REFUSED
@@ -345,7 +350,7 @@ def test_target_frozen_during_precopy_leaves_the_request_running(smol_fleet: Run
         status = smol_fleet.agent(target, kv.AgentStatus())
         return isinstance(status, kv.Status) and status.staged_bytes == 0 and not status.staging_areas
 
-    wait_until(staging_freed, 20.0, f"{target} to free the abandoned staging area")
+    wait_until(staging_freed, STALL_S, f"{target} to free the abandoned staging area")
 
 
 def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> None:
@@ -387,7 +392,7 @@ def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> N
         def ended(engine_id: str = owner) -> bool:
             return any(finished(engine_id, r) > before[engine_id, r] for r in ("abort", "length"))
 
-        wait_until(ended, 30.0, f"the moved request to end on {owner}")
+        wait_until(ended, STALL_S, f"the moved request to end on {owner}")
         if finished(owner, "abort") > before[owner, "abort"]:
             break
     assert owner, "the request ended before its first move three times"
@@ -412,7 +417,7 @@ def test_migration_is_recorded_in_redis_and_metrics(smol_fleet: RunningFleet) ->
     # The target adds the gap its client saw once its first token is out.
     wait_until(
         lambda: (r := smol_fleet.migration_record(move.migration_id)) is not None and r.stall_ms is not None,
-        30.0,
+        STALL_S,
         "the target to record the stall",
     )
     raw_owner = smol_fleet.redis.get(smol_fleet.keys.owner(got.request_id))
@@ -425,7 +430,7 @@ def test_migration_is_recorded_in_redis_and_metrics(smol_fleet: RunningFleet) ->
     target_metrics = smol_fleet.engine_metrics(move.target_engine_id)
     assert re.search(r"shoal_engine_migration_stall_seconds_count\{[^}]*\} [1-9]", target_metrics)
     listed = smol_fleet.control(move.source_engine_id).ListMigrations(
-        pb.ListMigrationsRequest(limit=50), timeout=10
+        pb.ListMigrationsRequest(limit=50), timeout=STALL_S
     )
     assert move.migration_id in {m.migration_id for m in listed.migrations}
 

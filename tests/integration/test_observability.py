@@ -14,8 +14,8 @@ import httpx
 import pytest
 from shoal_operator import dashboards
 
-from tests.integration.support import RunningFleet, prometheus_server, wait_until
-from tests.integration.test_migration import Mover, stream
+from tests.integration.support import STALL_S, RunningFleet, prometheus_server, wait_until
+from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, Mover, stream
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ RATE_WINDOW = "1m"  # what Grafana's $__rate_interval becomes here (scrapes ever
 
 
 def _query(prometheus: str, expr: str) -> list[dict[str, Any]]:
-    reply = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=10)
+    reply = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=STALL_S)
     body = reply.json()
     assert reply.status_code == 200 and body["status"] == "success", (expr, body)
     result: list[dict[str, Any]] = body["data"]["result"]
@@ -59,8 +59,8 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
         # The load: a stream moved once mid-generation (up to six tries, as in the migration
         # tests: the machine may stall the client until the stream is done) ...
         for _ in range(6):
-            mover = Mover(tiny_fleet, times=1, every=0, first=64)
-            stream(tiny_fleet, [21, 22, 23, 24], 8000, mover)
+            mover = Mover(tiny_fleet, times=1, every=0, first=1)
+            stream(tiny_fleet, TINY_PROMPT, TINY_LONG, mover)
             if mover.results:
                 break
         assert mover.results, "no stream was still running when it was moved"
@@ -71,7 +71,7 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
         refused = httpx.post(
             tiny_fleet.base_url + "/v1/completions",
             json={"model": "no-such-model", "prompt": "x"},
-            timeout=30,
+            timeout=STALL_S,
         )
         assert refused.status_code == 404
         # Rates need two samples in their window: wait until the last of the load (the 404) has
@@ -83,7 +83,7 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
                     f'count_over_time(shoal_router_requests_total{{status="404"}}[{RATE_WINDOW}]) >= 2',
                 )
             ),
-            60,
+            STALL_S,
             "Prometheus to scrape the load twice",
             every_s=0.5,
         )

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.support import RunningFleet
+from tests.integration.support import STALL_S, RunningFleet, model_frozen
 
 pytestmark = pytest.mark.integration
 
@@ -131,13 +132,13 @@ def test_chat_stream_ends_with_done(tiny_fleet: RunningFleet) -> None:
 def test_models_and_openapi(tiny_fleet: RunningFleet) -> None:
     models = client(tiny_fleet).models.list()
     assert [m.id for m in models.data] == [tiny_fleet.model]
-    spec = httpx.get(tiny_fleet.base_url + "/openapi.json", timeout=10).json()
+    spec = httpx.get(tiny_fleet.base_url + "/openapi.json", timeout=STALL_S).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
 
 
 def test_router_metrics_count_requests(tiny_fleet: RunningFleet) -> None:
     client(tiny_fleet).completions.create(model=tiny_fleet.model, prompt="count me", max_tokens=2)
-    text = httpx.get(tiny_fleet.base_url + "/metrics", timeout=10).text
+    text = httpx.get(tiny_fleet.base_url + "/metrics", timeout=STALL_S).text
     assert 'shoal_router_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert "shoal_router_time_to_first_token_seconds_count" in text
 
@@ -167,24 +168,28 @@ def test_a_priority_request_answers_alike_and_its_engine_keeps_headroom_for_it(
         its first token's engine; a machine stall that outlasts an engine's heartbeat and the
         router's grace for it makes the router continue the request on the other engine, and the
         headroom goes along."""
-        state = httpx.get(tiny_fleet.base_url + "/fleet/state", timeout=10).json()
+        state = httpx.get(tiny_fleet.base_url + "/fleet/state", timeout=STALL_S).json()
         return next((r["engine"] for r in state["requests"] if r["id"] == request_id), None)
 
     def reserved(engine: str | None) -> int:
         report = tiny_fleet.load_report(engine) if engine else None
         return report.kv_blocks_reserved if report else 0
 
-    # The tiny model's whole context (about 8 s of decoding). Reports come every 100 ms, but this
-    # machine can stall Redis for longer than that: a request that ended before any report of it
-    # was readable proves nothing either way, and the next one is asked (at most three).
+    # The model is frozen under the request once it is dispatched, so it runs until the client
+    # leaves; a request that ended before the freeze (the tiny model decodes its whole context in
+    # about 8 s) proves nothing either way, and the next one is asked (at most three).
     body = {**kwargs, "max_tokens": 8000, "stream": True, "ignore_eos": True, "priority": -1}
     engines: list[str] = []
     for _attempt in range(3):
-        with httpx.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=60) as response:
+        with (
+            contextlib.ExitStack() as frozen,
+            httpx.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=60) as response,
+        ):
             assert response.status_code == 200
             request_id = response.headers["X-Shoal-Request-Id"]
             engines.append(response.headers["X-Shoal-Engine"])
-            deadline = time.monotonic() + 60
+            frozen.enter_context(model_frozen(tiny_fleet, engines[-1]))
+            deadline = time.monotonic() + STALL_S
             while (engine := holder(request_id)) is not None and not reserved(engine):
                 assert time.monotonic() < deadline, "the engine's load report kept no headroom"
                 time.sleep(0.05)
@@ -195,9 +200,9 @@ def test_a_priority_request_answers_alike_and_its_engine_keeps_headroom_for_it(
             assert record is not None and reserved(engine) == round(0.25 * record.kv_blocks_total)
         break
     else:
-        pytest.fail("three priority requests each ended before a load report showed their headroom")
+        pytest.fail("three priority requests each ended before their engine's model was frozen")
     # The client left: the request is aborted and the headroom goes with it, wherever it ran.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + STALL_S
     while any(reserved(engine) for engine in engines):
         assert time.monotonic() < deadline, "the headroom outlived the request"
         time.sleep(0.05)

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.support import RunningFleet, extra_router, wait_until
+from tests.integration.support import STALL_S, RunningFleet, extra_router, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,10 +43,12 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
         try:
             running = threading.Thread(target=post, args=(url, "running"))
             running.start()
-            wait_until(lambda: _gauge(url, "shoal_router_requests_inflight") == 1, 30, "a request to run")
+            wait_until(
+                lambda: _gauge(url, "shoal_router_requests_inflight") == 1, STALL_S, "a request to run"
+            )
             waiting = threading.Thread(target=post, args=(url, "waiting"))
             waiting.start()
-            wait_until(lambda: _gauge(url, "shoal_router_requests_queued") == 1, 30, "a request to wait")
+            wait_until(lambda: _gauge(url, "shoal_router_requests_queued") == 1, STALL_S, "a request to wait")
 
             started = time.monotonic()
             refused = _complete(url, tiny_fleet.model, 30)
@@ -57,13 +59,13 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
 
             # A flood of refusals holds no memory (nothing is queued past the bound).
             rss_before = process.memory_info().rss
-            with httpx.Client(timeout=30) as http:
+            with httpx.Client(timeout=STALL_S) as http:
                 for _ in range(300):
                     reply = http.post(url + "/v1/completions", json={"model": tiny_fleet.model, **BODY})
                     assert reply.status_code == 429
             assert process.memory_info().rss - rss_before < 32 * 2**20
 
-            waiting.join(timeout=30)
+            waiting.join(timeout=STALL_S)
             assert replies["waiting"].status_code == 429
             assert "no slot freed up within 2 s" in replies["waiting"].json()["error"]["message"]
         finally:
@@ -76,7 +78,7 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
 
 
 def _gauge(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0

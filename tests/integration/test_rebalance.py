@@ -24,6 +24,7 @@ from shoal_protos.records import EngineState, engine_record_decoder, json_encode
 from shoal_router.core.rebalance import Lease
 from tests.integration.support import (
     GREEDY_IDS,
+    STALL_S,
     RunningFleet,
     extra_router,
     free_port,
@@ -48,7 +49,7 @@ async def test_one_leader_at_a_time_and_a_successor_after_expiry() -> None:
             assert await first.hold() and not await second.hold()
             assert await first.hold() and not await second.hold()  # renewed by its holder only
             # The holder stops renewing (it died): the lease expires and the other takes it.
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + STALL_S
             while not await second.hold():
                 assert time.monotonic() < deadline, "the lease never expired"
                 await asyncio.sleep(0.05)
@@ -60,7 +61,7 @@ async def test_one_leader_at_a_time_and_a_successor_after_expiry() -> None:
 
 
 def _balance_counts(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=5).text
+    text = httpx.get(url + "/metrics", timeout=STALL_S).text
     return {
         o: float(n)
         for o, n in re.findall(r'shoal_router_balance_migrations_total\{outcome="(\w+)"\} (\S+)', text)
@@ -136,12 +137,12 @@ def _out_of_rotation(fleet: RunningFleet, engine_id: str, routers: list[str]) ->
     try:
         for router in routers:
             gone = functools.partial(lambda at: _state_at(at, engine_id) == "DRAINING", router)
-            wait_until(gone, 30.0, f"{router} to see {engine_id} go")
+            wait_until(gone, STALL_S, f"{router} to see {engine_id} go")
         yield
     finally:
         fleet.redis.set(key, raw, keepttl=True)
 
 
 def _state_at(router: str, engine_id: str) -> str | None:
-    engines: dict[str, str] = httpx.get(router + "/health", timeout=5).json()["engines"]
+    engines: dict[str, str] = httpx.get(router + "/health", timeout=STALL_S).json()["engines"]
     return engines.get(engine_id)

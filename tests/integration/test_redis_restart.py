@@ -16,13 +16,13 @@ import httpx
 import pytest
 import redis
 
-from tests.integration.support import RunningFleet, wait_until
+from tests.integration.support import STALL_S, RunningFleet, wait_until
 
 pytestmark = pytest.mark.integration
 
 
 def _health(fleet: RunningFleet) -> tuple[int, dict[str, str]]:
-    reply = httpx.get(fleet.base_url + "/health", timeout=5)
+    reply = httpx.get(fleet.base_url + "/health", timeout=STALL_S)
     return reply.status_code, reply.json()["engines"]
 
 

@@ -29,7 +29,7 @@ from shoal_engine.metrics import EngineMetrics
 from shoal_engine.registry import EngineRegistration
 from shoal_protos.records import EngineRecord, Keys, LoadReport, state_client
 from shoal_router.ipc.fleet import FleetView
-from tests.integration.support import free_port
+from tests.integration.support import STALL_S, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +93,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, P
     log = (folder / "redis.log").open("wb")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + STALL_S
         while not _answers(port, ca):
             assert proc.poll() is None, (folder / "redis.log").read_text()
             assert time.monotonic() < deadline, "the TLS Redis did not start"
@@ -101,7 +101,7 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, P
         yield port, ca
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=STALL_S)
         log.close()
 
 
@@ -149,7 +149,7 @@ async def test_an_engine_and_a_router_share_state_over_tls_with_a_password(
     fleet = FleetView(router_side, keys, added.append, lambda *_: None)
     await registration.register()
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + STALL_S
         while "engine-tls" not in fleet.engines or fleet.engines["engine-tls"].report is None:
             assert time.monotonic() < deadline, "the router never saw the engine and its load"
             await fleet.refresh()

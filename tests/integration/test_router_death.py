@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.support import RunningFleet, extra_router, wait_until
+from tests.integration.support import STALL_S, RunningFleet, extra_router, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,7 @@ def _finished(fleet: RunningFleet, engine_id: str, reason: str) -> float:
 def _running(fleet: RunningFleet, engine_id: str) -> int:
     record = fleet.engine_record(engine_id)
     assert record is not None
-    return int(httpx.get(record.http_address + "/health", timeout=5).json()["requests"])
+    return int(httpx.get(record.http_address + "/health", timeout=STALL_S).json()["requests"])
 
 
 def test_engines_abort_the_requests_of_a_router_that_died(tiny_fleet: RunningFleet, tmp_path: Path) -> None:
@@ -56,20 +56,20 @@ def test_engines_abort_the_requests_of_a_router_that_died(tiny_fleet: RunningFle
             streaming.start()
             wait_until(
                 lambda: sum(_running(tiny_fleet, r.engine_id) for r in records) == 1,
-                30.0,
+                STALL_S,
                 "an engine to take the request",
             )
             engine_id = next(r.engine_id for r in records if _running(tiny_fleet, r.engine_id))
             router.kill()
-            router.wait(timeout=10)
+            router.wait(timeout=STALL_S)
             # The client's connection closes with the router (no hang); the engine, told by its
             # link to the router, drops the request though its model never ran a step for it.
-            streaming.join(timeout=30)
+            streaming.join(timeout=STALL_S)
             assert not streaming.is_alive(), "the client hangs on a dead router"
             assert client_saw and isinstance(client_saw[0], httpx.RemoteProtocolError), client_saw
             wait_until(
                 lambda: _running(tiny_fleet, engine_id) == 0,
-                10.0,
+                STALL_S,
                 f"{engine_id} to drop the dead router's request",
             )
         finally:

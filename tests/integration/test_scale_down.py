@@ -28,7 +28,7 @@ from shoal_operator.drain import Drained, GrpcDrainer
 from shoal_operator.scale import EngineLoad, Leaving
 from shoal_operator.spec import InferenceClusterSpec
 
-from tests.integration.support import GREEDY_IDS, RunningFleet, async_client, greedy_ids, wait_until
+from tests.integration.support import GREEDY_IDS, STALL_S, RunningFleet, async_client, greedy_ids, wait_until
 from tests.integration.test_migration import _agree
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ STREAMS, MAX_TOKENS = 6, 400
 
 
 def _states(fleet: RunningFleet) -> dict[str, str]:
-    engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=5).json()["engines"]
+    engines: dict[str, str] = httpx.get(fleet.base_url + "/health", timeout=STALL_S).json()["engines"]
     return engines
 
 
@@ -121,10 +121,10 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
         # spread over both engines only once both serve and report again.
         wait_until(
             lambda: all(_states(smol_fleet).get(e) == "ACTIVE" for e in engines),
-            REJOIN_AFTER_S + 15,
+            REJOIN_AFTER_S + STALL_S,
             "engines ACTIVE",
         )
-        wait_until(reporting, 60.0, "fresh load reports")
+        wait_until(reporting, STALL_S, "fresh load reports")
         done = await _drain_while_streaming(
             smol_fleet, client, cluster, engines, prompts, references, asked_by
         )
@@ -136,7 +136,9 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
 
     # No pod deletion followed: the engine serves again by itself.
     wait_until(
-        lambda: _states(smol_fleet).get(victim) == "ACTIVE", REJOIN_AFTER_S + 15, f"{victim} serving again"
+        lambda: _states(smol_fleet).get(victim) == "ACTIVE",
+        REJOIN_AFTER_S + STALL_S,
+        f"{victim} serving again",
     )
     assert time.monotonic() - drained_at >= REJOIN_AFTER_S - 0.5
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import SimFleet
+from tests.integration.support import STALL_S, SimFleet
 from tests.integration.support import sim_fleet as start_sim_fleet
 
 pytestmark = pytest.mark.integration
@@ -63,7 +63,7 @@ async def test_streams_through_the_router_complete_once_on_both_engines(sim_flee
 def _preemptions(engine_urls: list[str]) -> float:
     total = 0.0
     for url in engine_urls:
-        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
             if line.startswith("shoal_sim_preemptions_total "):
                 total += float(line.split()[1])
     return total

@@ -22,7 +22,7 @@ import redis
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.records import Keys, engine_record_decoder, migration_record_decoder
-from tests.integration.support import free_port, sim_fleet
+from tests.integration.support import STALL_S, free_port, sim_fleet
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +83,7 @@ def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: 
             if line.startswith("data: {"):
                 token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
         result = moving_fleet.control(source).Migrate(
-            pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin"), timeout=30
+            pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin"), timeout=STALL_S
         )
         assert pb.Outcome.Name(result.outcome) == "MIGRATED", result.detail
         for line in lines:
@@ -112,7 +112,7 @@ async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engin
     )
 
     def migrated() -> float:
-        text = httpx.get(moving_fleet.url + "/metrics", timeout=5).text
+        text = httpx.get(moving_fleet.url + "/metrics", timeout=STALL_S).text
         found = re.search(r'shoal_router_balance_migrations_total\{outcome="MIGRATED"\} (\S+)', text)
         return float(found.group(1)) if found else 0.0
 
@@ -132,7 +132,7 @@ async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engin
 
     counts = await asyncio.gather(*(stream(i) for i in range(8)))
     assert counts == [800] * 8
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + STALL_S
     while migrated() <= before:  # the counter moves when the Migrate call returns
         assert time.monotonic() < deadline, "the leader moved no request"
         await asyncio.sleep(0.1)
