@@ -11,8 +11,9 @@ One task on the event loop writes, every ``load_report_interval_s``, in one pipe
 If the process dies, both keys expire within the TTL and routers stop dispatching to it. A Redis
 outage does not stop serving: the failed write is counted and logged, and the next tick retries.
 Nothing ends the loop but ``unregister``: an unexpected error is logged with its traceback and the
-next tick tries again, and a tick that comes late (the event loop was blocked) is logged with the
-delay, since a late heartbeat is what makes routers drop a live engine.
+next tick tries again, and a tick that comes late (the event loop was blocked, or the machine did
+not run the process) is logged with the delay, since a late heartbeat is what makes routers drop a
+live engine.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ class EngineRegistration:
         while self._reporting:
             late_s = loop.time() - due
             if late_s > self._ttl_ms / 2000:
-                logger.warning("heartbeat %.1f s late: the event loop was blocked", late_s)
+                logger.warning(
+                    "heartbeat %.1f s late: the event loop was blocked or the process did not run", late_s
+                )
             self._seq += 1
             try:
                 report = self._make_report(self._seq)
