@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, model_frozen
+from tests.integration.support import STALL_S, RunningFleet, model_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -163,46 +163,40 @@ def test_a_priority_request_answers_alike_and_its_engine_keeps_headroom_for_it(
     )
     assert urgent.choices[0].token_ids == plain.choices[0].token_ids  # type: ignore[attr-defined]
 
-    def holder(request_id: str) -> str | None:
-        """The engine running the request now, as the router says (None once it ended). Usually
-        its first token's engine; a machine stall that outlasts an engine's heartbeat and the
-        router's grace for it makes the router continue the request on the other engine, and the
-        headroom goes along."""
-        state = httpx.get(tiny_fleet.base_url + "/fleet/state", timeout=STALL_S).json()
-        return next((r["engine"] for r in state["requests"] if r["id"] == request_id), None)
+    engines = [tiny_fleet.cfg.engine_id(i) for i in range(tiny_fleet.cfg.engines)]
 
-    def reserved(engine: str | None) -> int:
-        report = tiny_fleet.load_report(engine) if engine else None
+    def reserved(engine: str) -> int:
+        report = tiny_fleet.load_report(engine)
         return report.kv_blocks_reserved if report else 0
 
-    # The model is frozen under the request once it is dispatched, so it runs until the client
-    # leaves; a request that ended before the freeze (the tiny model decodes its whole context in
-    # about 8 s) proves nothing either way, and the next one is asked (at most three).
+    # Both engines' models are frozen before the request is sent: it cannot end (the tiny model
+    # decodes its whole context in seconds, faster than a loaded machine may run this test), and
+    # the engine's front end, which holds it and writes the load reports, runs on.
     body = {**kwargs, "max_tokens": 8000, "stream": True, "ignore_eos": True, "priority": -1}
-    engines: list[str] = []
-    for _attempt in range(3):
-        with (
-            contextlib.ExitStack() as frozen,
-            httpx.stream("POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=60) as response,
-        ):
-            assert response.status_code == 200
-            request_id = response.headers["X-Shoal-Request-Id"]
-            engines.append(response.headers["X-Shoal-Engine"])
-            frozen.enter_context(model_frozen(tiny_fleet, engines[-1]))
-            deadline = time.monotonic() + STALL_S
-            while (engine := holder(request_id)) is not None and not reserved(engine):
-                assert time.monotonic() < deadline, "the engine's load report kept no headroom"
-                time.sleep(0.05)
-            if engine is None:
-                continue
-            engines.append(engine)
-            record = tiny_fleet.engine_record(engine)
-            assert record is not None and reserved(engine) == round(0.25 * record.kv_blocks_total)
-        break
-    else:
-        pytest.fail("three priority requests each ended before their engine's model was frozen")
-    # The client left: the request is aborted and the headroom goes with it, wherever it ran.
-    deadline = time.monotonic() + STALL_S
-    while any(reserved(engine) for engine in engines):
-        assert time.monotonic() < deadline, "the headroom outlived the request"
-        time.sleep(0.05)
+    answered: dict[str, object] = {}
+
+    def ask() -> None:
+        # The router answers at the first token, once the models run again; then the client
+        # leaves, and the request is aborted.
+        with httpx.stream(
+            "POST", tiny_fleet.base_url + "/v1/completions", json=body, timeout=STALL_S
+        ) as reply:
+            answered.update(status=reply.status_code, engine=reply.headers.get("X-Shoal-Engine"))
+
+    asking = threading.Thread(target=ask, name="priority-request")
+    try:
+        with contextlib.ExitStack() as frozen:
+            for engine in engines:
+                frozen.enter_context(model_frozen(tiny_fleet, engine))
+            asking.start()
+            wait_until(lambda: any(reserved(e) for e in engines), STALL_S, "a load report with headroom")
+            holding = [e for e in engines if reserved(e)]
+            assert len(holding) == 1, holding
+            record = tiny_fleet.engine_record(holding[0])
+            assert record is not None and reserved(holding[0]) == round(0.25 * record.kv_blocks_total)
+    finally:
+        if asking.ident is not None:  # started
+            asking.join(STALL_S)
+    assert answered == {"status": 200, "engine": holding[0]}
+    # The headroom goes with the request.
+    wait_until(lambda: not any(reserved(e) for e in engines), STALL_S, "the headroom to go with the request")
