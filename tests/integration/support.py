@@ -13,9 +13,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -271,7 +272,21 @@ def model_frozen(fleet: RunningFleet, engine_id: str) -> Iterator[EngineRecord]:
         yield record
     finally:
         for process in cores:
-            process.resume()
+            with contextlib.suppress(psutil.NoSuchProcess):  # killed while frozen
+                process.resume()
+
+
+@contextlib.contextmanager
+def models_frozen(fleet: RunningFleet, engine_ids: Iterable[str]) -> Iterator[dict[str, EngineRecord]]:
+    """``model_frozen`` for several engines at once; yields their records by engine id."""
+    with contextlib.ExitStack() as stack:
+        yield {e: stack.enter_context(model_frozen(fleet, e)) for e in engine_ids}
+
+
+def in_flight(fleet: RunningFleet) -> list[dict[str, Any]]:
+    """The requests the router lists as in flight on ``/fleet/state`` (id, engine, tokens, ...)."""
+    state: dict[str, Any] = httpx.get(fleet.base_url + "/fleet/state", timeout=STALL_S).json()
+    return list(state["requests"])
 
 
 def dispatched(fleet: RunningFleet) -> dict[str, float]:

@@ -15,10 +15,17 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, dispatched, wait_until
+from tests.integration.support import (
+    STALL_S,
+    RunningFleet,
+    dispatched,
+    in_flight,
+    model_frozen,
+    models_frozen,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -188,20 +195,17 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         # four streams' first tokens (and sends each its engine's header) long before this
         # process has parsed them all, so its list of requests in flight is asked too.
         def four_have_tokens() -> bool:
-            state = httpx.get(tiny_fleet.base_url + "/fleet/state", timeout=STALL_S).json()
-            return every_stream_has_tokens.is_set() or sum(r["tokens"] >= 1 for r in state["requests"]) >= 4
+            if every_stream_has_tokens.is_set():
+                return True
+            return sum(r["tokens"] >= 1 for r in in_flight(tiny_fleet)) >= 4
 
         wait_until(four_have_tokens, 180, "four streams with tokens")
         # The tiny model decodes a whole stream in a few seconds, so a request counted as
         # running could finish between the count and the kill. Freeze vLLM's processes under both
         # engines first: a request an engine still counts then cannot finish (short of its last
         # step's output already being on its way), and the kill meets it running.
-        cores = {e: psutil.Process(r.pid).children(recursive=True) for e, r in records.items()}
-        for processes in cores.values():
-            for process in processes:
-                process.suspend()
         victim = ""
-        try:
+        with models_frozen(tiny_fleet, records):
             for engine_id, record in records.items():
                 health = httpx.get(record.http_address + "/health", timeout=STALL_S).json()
                 busy_at_kill[engine_id] = int(health.get("requests", 0))
@@ -209,11 +213,6 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
             if busy_at_kill[busiest]:  # else every stream finished first: the caller tries again
                 victim = busiest
                 _kill_engine(records[victim].pid)
-        finally:
-            for engine_id, processes in cores.items():
-                if engine_id != victim:
-                    for process in processes:
-                        process.resume()
         return victim
 
     resumed_before = _resumed(tiny_fleet)
@@ -267,16 +266,12 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         the engine if the request is still there (it may have finished while this process was
         not scheduled; then the caller tries again with a new stream)."""
         assert some_stream_has_tokens.wait(180), "the last stream got no tokens"
-        cores = psutil.Process(records[survivor].pid).children(recursive=True)
-        for process in cores:
-            process.suspend()
-        busy = int(httpx.get(records[survivor].http_address + "/health", timeout=STALL_S).json()["requests"])
-        if busy:
-            _kill_engine(records[survivor].pid)
-            killed.append(time.monotonic())
-        else:
-            for process in cores:
-                process.resume()
+        with model_frozen(tiny_fleet, survivor):
+            health = httpx.get(records[survivor].http_address + "/health", timeout=STALL_S).json()
+            busy = int(health["requests"])
+            if busy:
+                _kill_engine(records[survivor].pid)
+                killed.append(time.monotonic())
         return busy
 
     for attempt in range(6):

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, model_frozen, wait_until
+from tests.integration.support import RunningFleet, in_flight, model_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -71,8 +71,7 @@ def _page_with_a_stream_held(fleet: RunningFleet, screenshot: Path) -> tuple[str
         with model_frozen(fleet, seen["engine"]):
 
             def listed() -> bool:
-                state = httpx.get(fleet.base_url + "/fleet/state", timeout=STALL_S).json()
-                return any(r["id"] == seen["request"] for r in state["requests"])
+                return any(r["id"] == seen["request"] for r in in_flight(fleet))
 
             try:
                 # Not listed once frozen: it had ended; the caller streams again.

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, model_frozen, wait_until
+from tests.integration.support import STALL_S, RunningFleet, models_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -185,9 +184,7 @@ def test_a_priority_request_answers_alike_and_its_engine_keeps_headroom_for_it(
 
     asking = threading.Thread(target=ask, name="priority-request")
     try:
-        with contextlib.ExitStack() as frozen:
-            for engine in engines:
-                frozen.enter_context(model_frozen(tiny_fleet, engine))
+        with models_frozen(tiny_fleet, engines):
             asking.start()
             wait_until(lambda: any(reserved(e) for e in engines), STALL_S, "a load report with headroom")
             holding = [e for e in engines if reserved(e)]

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, extra_router, wait_until
+from tests.integration.support import STALL_S, RunningFleet, extra_router, models_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,6 @@ def _complete(url: str, model: str, timeout_s: float) -> httpx.Response:
 
 def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFleet, tmp_path: Path) -> None:
     records = [r for i in range(2) if (r := tiny_fleet.engine_record(tiny_fleet.cfg.engine_id(i)))]
-    cores = [p for r in records for p in psutil.Process(r.pid).children(recursive=True)]
     limits = ("--max-inflight", "1", "--max-queued", "1", "--queue-timeout", "2")
     replies: dict[str, httpx.Response] = {}
 
@@ -38,9 +37,7 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
 
     with extra_router(tiny_fleet, "router-small", tmp_path, *limits) as (url, router):
         process = psutil.Process(router.pid)
-        for core in cores:
-            core.suspend()
-        try:
+        with models_frozen(tiny_fleet, [r.engine_id for r in records]):
             running = threading.Thread(target=post, args=(url, "running"))
             running.start()
             wait_until(
@@ -68,9 +65,6 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
             waiting.join(timeout=STALL_S)
             assert replies["waiting"].status_code == 429
             assert "no slot freed up within 2 s" in replies["waiting"].json()["error"]["message"]
-        finally:
-            for core in cores:
-                core.resume()
         running.join(timeout=120)
         assert replies["running"].status_code == 200, replies["running"].text
         served = _complete(url, tiny_fleet.model, 60)

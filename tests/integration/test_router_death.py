@@ -12,10 +12,9 @@ import threading
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, extra_router, wait_until
+from tests.integration.support import STALL_S, RunningFleet, extra_router, models_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +36,6 @@ def test_engines_abort_the_requests_of_a_router_that_died(tiny_fleet: RunningFle
     assert len(records) == 2
     aborted_before = {r.engine_id: _finished(tiny_fleet, r.engine_id, "abort") for r in records}
     # Freeze vLLM under both engines first: the request is admitted but cannot finish by itself.
-    cores = [p for r in records for p in psutil.Process(r.pid).children(recursive=True)]
     body = {"model": tiny_fleet.model, "prompt": [5, 6, 7], "max_tokens": 64, "stream": True}
     client_saw: list[BaseException] = []
 
@@ -48,31 +46,28 @@ def test_engines_abort_the_requests_of_a_router_that_died(tiny_fleet: RunningFle
         except httpx.HTTPError as exc:
             client_saw.append(exc)
 
-    with extra_router(tiny_fleet, "router-doomed", tmp_path) as (url, router):
-        for process in cores:
-            process.suspend()
-        try:
-            streaming = threading.Thread(target=client, args=(url,))
-            streaming.start()
-            wait_until(
-                lambda: sum(_running(tiny_fleet, r.engine_id) for r in records) == 1,
-                STALL_S,
-                "an engine to take the request",
-            )
-            engine_id = next(r.engine_id for r in records if _running(tiny_fleet, r.engine_id))
-            router.kill()
-            router.wait(timeout=STALL_S)
-            # The client's connection closes with the router (no hang); the engine, told by its
-            # link to the router, drops the request though its model never ran a step for it.
-            streaming.join(timeout=STALL_S)
-            assert not streaming.is_alive(), "the client hangs on a dead router"
-            assert client_saw and isinstance(client_saw[0], httpx.RemoteProtocolError), client_saw
-            wait_until(
-                lambda: _running(tiny_fleet, engine_id) == 0,
-                STALL_S,
-                f"{engine_id} to drop the dead router's request",
-            )
-        finally:
-            for process in cores:
-                process.resume()
+    with (
+        extra_router(tiny_fleet, "router-doomed", tmp_path) as (url, router),
+        models_frozen(tiny_fleet, [r.engine_id for r in records]),
+    ):
+        streaming = threading.Thread(target=client, args=(url,))
+        streaming.start()
+        wait_until(
+            lambda: sum(_running(tiny_fleet, r.engine_id) for r in records) == 1,
+            STALL_S,
+            "an engine to take the request",
+        )
+        engine_id = next(r.engine_id for r in records if _running(tiny_fleet, r.engine_id))
+        router.kill()
+        router.wait(timeout=STALL_S)
+        # The client's connection closes with the router (no hang); the engine, told by its
+        # link to the router, drops the request though its model never ran a step for it.
+        streaming.join(timeout=STALL_S)
+        assert not streaming.is_alive(), "the client hangs on a dead router"
+        assert client_saw and isinstance(client_saw[0], httpx.RemoteProtocolError), client_saw
+        wait_until(
+            lambda: _running(tiny_fleet, engine_id) == 0,
+            STALL_S,
+            f"{engine_id} to drop the dead router's request",
+        )
     assert _finished(tiny_fleet, engine_id, "abort") == aborted_before[engine_id] + 1
