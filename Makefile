@@ -118,7 +118,7 @@ bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 25
 	$(PY) bench/dispatch.py $(BENCH_ARGS)
 
 .PHONY: bench-fleet
-bench-fleet: setup ## Round-robin vs least-load vs migration on 16 to 256 simulated engines; writes docs/benchmarks.md
+bench-fleet: setup ## Round-robin vs least-load, migration and holding on 16 to 256 simulated engines; writes docs/benchmarks.md
 	$(PY) bench/fleet.py $(BENCH_ARGS)
 
 .PHONY: bench-consolidate

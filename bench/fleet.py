@@ -1,4 +1,4 @@
-"""Fleet benchmark: round-robin vs least-load vs least-load plus migration, on simulated engines.
+"""Fleet benchmark: round-robin vs least-load, with migration and holding, on simulated engines.
 
 Method
 ------
@@ -6,22 +6,26 @@ Llumnix's experiment (OSDI'24) on Shoal's own code, at fleet sizes one machine c
 real: ``shoal_fleet.simulation`` runs engines as the simulated engine's ``SimBatch`` (batch, KV
 blocks, recompute preemption, step-time model) on simulated time, dispatch as the router's
 ``Scheduler`` over its ``EngineView`` objects fed 100 ms load reports, and balancing as the
-router's ``Balancer`` with moves timed by the migration protocol's stages (see the module).
+router's ``Balancer`` with moves timed by the migration protocol's stages (see the module), and
+the router's hold line (``core.hold``) released at each load report.
 
 Engines model LLaMA-2-7B in fp16 on an A10-24GB (``llama2-7b-a10``: a roofline step-time
 estimate; 1,024 KV blocks of 16 tokens, about what the card holds beside the weights), KV moved
 at ``--kv-gbps``. Requests arrive as a Poisson process; prompt and output lengths are lognormal
-(heavy-tailed, ShareGPT's shape; the table lists the drawn percentiles). For each rate the three
+(heavy-tailed, ShareGPT's shape; the table lists the drawn percentiles). For each rate the four
 policies get the same requests:
 
 * ``round_robin``: the router's ``round_robin`` profile;
 * ``least_load``: the ``least_load`` profile (Llumnix's freeness);
-* ``least_load+migration``: the same, with the ``Balancer`` moving running requests.
+* ``least_load+migration``: the same, with the ``Balancer`` moving running requests;
+* ``least_load+migration+hold``: the same, with new requests held at the router while every
+  engine is short of KV (``--hold-below`` blocks per batch slot, at most ``--hold-max`` seconds),
+  as the router does by default.
 
 TTFT is arrival to first token; decode latency is a request's mean time per output token after
 the first; preemption loss is the time preempted requests spent between being preempted and
-their next token. The highest sustained rate is the highest swept rate at which least-load plus
-migration delivers, over the second half of the arrival window, at least 95% of the output
+their next token. The highest sustained rate is the highest swept rate at which the last policy
+delivers, over the second half of the arrival window, at least 95% of the output
 tokens per second the requests ask for (past it, requests queue without bound). The same rate
 per engine then runs on 64 and 256 engines.
 
@@ -39,14 +43,18 @@ from report import ROOT, publish
 
 from shoal_engine.sim_backend import STEP_MODELS, SimConfig
 from shoal_fleet.simulation import Fleet, Result, Simulation, Workload
+from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy
 
 BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
-POLICIES = {
-    "round_robin": ("round_robin", False),
-    "least_load": ("least_load", False),
-    "least_load+migration": ("least_load", True),
+POLICIES = {  # name: (scheduler, migration, hold)
+    "round_robin": ("round_robin", False, False),
+    "least_load": ("least_load", False, False),
+    "least_load+migration": ("least_load", True, False),
+    "least_load+migration+hold": ("least_load", True, True),
 }
+FULL = "least_load+migration+hold"
+"""Shoal's policy: the one the targets and the highest sustained rate are read from."""
 SIM = SimConfig(
     model="llama2-7b-a10", kv_blocks=1024, max_num_seqs=256, max_batched_tokens=4096, max_model_len=4096
 )
@@ -86,8 +94,9 @@ def simulated_fleet(args: argparse.Namespace, engines: int, **fleet: Any) -> Fle
 
 
 def run(args: argparse.Namespace, engines: int, rate: float, requests: int, policy: str) -> dict[str, Any]:
-    scheduler, migrate = POLICIES[policy]
-    fleet = simulated_fleet(args, engines, scheduler=scheduler, migrate=migrate)
+    scheduler, migrate, hold = POLICIES[policy]
+    held = HoldPolicy(args.hold_below, args.hold_max) if hold else None
+    fleet = simulated_fleet(args, engines, scheduler=scheduler, migrate=migrate, hold=held)
     workload = Workload(rate=rate, requests=requests, seed=args.seed)
     step = max(1, requests // 4)
 
@@ -104,7 +113,7 @@ def run(args: argparse.Namespace, engines: int, rate: float, requests: int, poli
         f"  {engines:>3} engines, {rate:6.1f} req/s, {policy:<21} TTFT p99 {row['ttft_p99_s']:7.2f} s, "
         f"decode p99 {row['decode_p99_ms']:6.1f} ms, preemptions {row['preemptions']:>5}, "
         f"{row['steady_tokens_per_s']:6.0f}/{row['offered_tokens_per_s']:.0f} tok/s, "
-        f"{row['migrations']:>5} moves ({row['wall_s']:.0f} s)",
+        f"{row['migrations']:>5} moves, {row['held']:>5} held ({row['wall_s']:.0f} s)",
         flush=True,
     )
     return row
@@ -118,7 +127,7 @@ def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str
         for j, policy in enumerate(POLICIES):
             print(f"  [{i * len(POLICIES) + j + 1}/{total}] {args.engines} engines at {rate} req/s, {policy}")
             rows.append(run(args, args.engines, rate, args.requests, policy))
-    sustained = [r["rate"] for r in rows if r["policy"] == "least_load+migration" and r["sustained"]]
+    sustained = [r["rate"] for r in rows if r["policy"] == FULL and r["sustained"]]
     scale_rows = []
     if sustained and args.scale:
         per_engine = max(sustained) / args.engines
@@ -145,7 +154,7 @@ def plots(rows: list[dict[str, Any]], engines: int) -> None:
     ]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, label, log) in zip(axes.flat, metrics, strict=True):
-        for policy, marker in zip(POLICIES, "os^", strict=True):
+        for policy, marker in zip(POLICIES, "os^D", strict=True):
             points = [r for r in rows if r["policy"] == policy]
             ax.plot([r["rate"] for r in points], [r[key] for r in points], f"{marker}-", label=policy)
         if log:
@@ -166,39 +175,39 @@ def _row(r: dict[str, Any]) -> str:
         f"{r['ttft_p99_s']:.2f} | {r['decode_p50_ms']:.1f} | {r['decode_p99_ms']:.1f} | "
         f"{r['preemptions']:,} | {r['preemption_loss_s']:.0f} | "
         f"{r['steady_tokens_per_s']:,.0f} / {r['offered_tokens_per_s']:,.0f} | "
-        f"{r['migrations']:,} | {'yes' if r['sustained'] else 'no'} |"
+        f"{r['migrations']:,} | {r['held']:,} | {r['held_p99_s']:.2f} | {'yes' if r['sustained'] else 'no'} |"
     )
 
 
-def _target_row(
-    engines: int, rate: float, rr: dict[str, Any], ll: dict[str, Any], llm: dict[str, Any]
-) -> str:
-    def three(key: str, digits: int) -> str:
-        return " / ".join(f"{r[key]:.{digits}f}" for r in (rr, ll, llm))
+def _target_row(engines: int, rate: float, at: dict[str, dict[str, Any]]) -> str:
+    rr, full = at["round_robin"], at[FULL]
+
+    def each(key: str, digits: int) -> str:
+        return " / ".join(f"{at[policy][key]:.{digits}f}" for policy in POLICIES)
 
     def ratio(key: str) -> str:
-        return f"{rr[key] / llm[key]:.1f}x" if llm[key] else "all"
+        return f"{rr[key] / full[key]:.1f}x" if full[key] else "all"
 
     loss = rr["preemption_loss_s"]
-    cut = f"{1 - llm['preemption_loss_s'] / loss:.0%}" if loss else "none to cut"
+    cut = f"{1 - full['preemption_loss_s'] / loss:.0%}" if loss else "none to cut"
     return (
-        f"| {engines} | {rate:g} | {three('ttft_p99_s', 2)} | {ratio('ttft_p99_s')} | "
-        f"{three('decode_p99_ms', 1)} | {ratio('decode_p99_ms')} | "
-        f"{three('preemption_loss_s', 0)} | {cut} |"
+        f"| {engines} | {rate:g} | {each('ttft_p99_s', 2)} | {ratio('ttft_p99_s')} | "
+        f"{each('decode_p99_ms', 1)} | {ratio('decode_p99_ms')} | "
+        f"{each('preemption_loss_s', 0)} | {cut} |"
     )
 
 
 def _targets(rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> list[str]:
-    sustained = [r["rate"] for r in rows if r["policy"] == "least_load+migration" and r["sustained"]]
+    sustained = [r["rate"] for r in rows if r["policy"] == FULL and r["sustained"]]
     if not sustained:
         return ["No swept rate was sustained; no target row."]
     rate = max(sustained)
     points = [(rows[0]["engines"], rate), *sorted({(r["engines"], r["rate"]) for r in scale_rows})]
     lines = [
-        f"Targets at {rate:.1f} req/s, the highest swept rate least-load plus migration sustains on "
-        f"{rows[0]['engines']} engines, and at the same rate per engine on larger fleets; each cell "
-        "reads round-robin / least-load / least-load + migration, and the cut is round-robin's "
-        "against least-load + migration's:",
+        f"Targets at {rate:.1f} req/s, the highest swept rate least-load plus migration and holding "
+        f"sustains on {rows[0]['engines']} engines, and at the same rate per engine on larger fleets; "
+        "each cell reads round-robin / least-load / least-load + migration / least-load + migration "
+        "+ holding, and the cut is round-robin's against the last one's:",
         "",
         "| engines | req/s | TTFT p99 (s) | cut (target 10x) | decode p99 (ms) | cut (target 1.5x) | "
         "preemption loss (s) | cut (target 70%) |",
@@ -206,9 +215,7 @@ def _targets(rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> li
     ]
     for engines, at_rate in points:
         at = {r["policy"]: r for r in rows + scale_rows if (r["engines"], r["rate"]) == (engines, at_rate)}
-        lines.append(
-            _target_row(engines, at_rate, at["round_robin"], at["least_load"], at["least_load+migration"])
-        )
+        lines.append(_target_row(engines, at_rate, at))
     return lines
 
 
@@ -223,8 +230,9 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: li
     model = STEP_MODELS[SIM.model]
     header = [
         "| engines | req/s | policy | TTFT p50 (s) | TTFT p99 (s) | decode p50 (ms) | decode p99 (ms) | "
-        "preemptions | preemption loss (s) | tokens/s delivered / asked | moves | sustained |",
-        "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        "preemptions | preemption loss (s) | tokens/s delivered / asked | moves | held | held p99 (s) | "
+        "sustained |",
+        "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     return "\n".join(
         [
@@ -235,10 +243,13 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: li
             f"{SIM.kv_blocks:,} KV blocks of {SIM.block_size} tokens each), {args.requests:,} requests "
             f"per run, Poisson arrivals, seed {args.seed}. Dispatch, load reports and balancing are the "
             "router's own "
-            "code on simulated time (`shoal_fleet.simulation`); the three policies get the same requests. "
+            "code on simulated time (`shoal_fleet.simulation`); the four policies get the same requests. "
             f"Balancing: check every {args.balance_interval} s, threshold {args.balance_threshold}, "
             f"patience {args.balance_patience}, cooldown {args.balance_cooldown} s, at most "
-            f"{args.balance_max_concurrent} moves at once; KV moves at {args.kv_gbps} GB/s. Left out: the "
+            f"{args.balance_max_concurrent} moves at once; KV moves at {args.kv_gbps} GB/s. Holding: a new "
+            f"request waits at the router while the engine it would go to has under {args.hold_below:g} "
+            f"KV blocks per batch slot left, for {args.hold_max:g} s at most (held: requests that "
+            "waited; held p99: the 99th percentile of every request's wait, most of them 0). Left out: the "
             "network between router and engines, the router's own CPU time and tokenization; engines "
             "prefill a long prompt in one step (vLLM would chunk it).",
             "",
@@ -274,6 +285,10 @@ def main() -> None:
         "--scale", default="64,256", help="larger fleets run at the highest sustained rate per engine"
     )
     add_simulation_args(parser)
+    parser.add_argument(
+        "--hold-below", type=float, default=2.0, help="KV blocks per slot under which to hold"
+    )
+    parser.add_argument("--hold-max", type=float, default=1.0, help="longest hold, seconds")
     parser.add_argument(
         "--quick", action="store_true", help="a short run: 4 engines, 2 rates, no larger fleets"
     )

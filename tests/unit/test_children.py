@@ -264,12 +264,18 @@ def test_the_routers_scheduler_and_balancing_come_from_the_spec() -> None:
     plain = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
     args = one(plain, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--scheduler") + 1] == "least_load" and "--balance" not in args
-    obj["spec"]["router"] = {"scheduler": "prefix_affinity=2,least_load=1", "balance": True}
+    assert args[args.index("--hold-max") + 1] == "1"
+    obj["spec"]["router"] = {
+        "scheduler": "prefix_affinity=2,least_load=1",
+        "balance": True,
+        "holdMaxSeconds": 0,
+    }
     cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
     args = one(children.render(cluster), "Deployment", "router")["spec"]["template"]["spec"]["containers"][0][
         "args"
     ]
     assert args[args.index("--scheduler") + 1] == "prefix_affinity=2,least_load=1" and "--balance" in args
+    assert args[args.index("--hold-max") + 1] == "0"
     assert "--consolidate-below" not in args
     obj["spec"]["router"] = {"balance": True, "consolidateBelow": 0.4}
     cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from shoal_engine.sim_backend import SimConfig
 from shoal_fleet.simulation import Fleet, Simulation, Workload
+from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy
 
 SIM = SimConfig(
@@ -53,6 +54,20 @@ def test_load_aware_dispatch_preempts_less_than_round_robin_under_load() -> None
     round_robin, least_load = _run("round_robin"), _run("least_load")
     assert least_load["preemptions"] < round_robin["preemptions"]
     assert least_load["ttft_p99_s"] < round_robin["ttft_p99_s"]
+
+
+def test_holding_requests_while_the_fleet_is_short_of_kv_preempts_less_and_waits_at_most_its_bound() -> None:
+    workload = Workload(rate=7.0, requests=300, seed=3)
+    results = {}
+    for name, hold in (("sent at once", None), ("held", HoldPolicy(below=2.0, max_s=1.0))):
+        fleet = Fleet(engines=4, sim=SIM, scheduler="least_load", hold=hold)
+        results[name] = Simulation(fleet, workload).run()
+    sent, held = results["sent at once"], results["held"]
+    assert held.preemptions < sent.preemptions
+    assert held.tokens == sent.tokens == sum(o for _, _, o in workload.draw())  # nothing lost
+    # Some requests waited at the router, none longer than its bound plus one report period.
+    assert sum(h > 0 for h in held.held_s) > 10 and max(held.held_s) <= 1.0 + 0.1
+    assert not any(sent.held_s)
 
 
 def test_balancing_moves_requests_and_each_move_stalls_for_the_last_blocks_only() -> None:

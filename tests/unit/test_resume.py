@@ -10,98 +10,30 @@ and give its reader every token exactly once, in order.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import msgspec
 import pytest
-import redis.asyncio as aioredis
-import zmq
-import zmq.asyncio
 
 from shoal_protos.messages import (
-    PROTOCOL_VERSION,
     AbortRequest,
     AddRequest,
     EngineRequestDecoder,
     FinishReason,
-    OutputBatch,
     PieceError,
     RequestPiece,
     SamplingOptions,
 )
-from shoal_protos.records import EngineRecord, Keys
 from shoal_router.api.serving import Generation, GenerationHandle
-from shoal_router.core.dispatch import EngineView
 from shoal_router.core.outputs import RequestDelta
 from shoal_router.errors import EngineFailedError, NoEngineError
-from shoal_router.ipc.engines import EngineClient
-from shoal_router.ipc.fleet import FleetView
-from shoal_router.metrics import RouterMetrics
-from tests.integration.support import free_port
-
-MODEL = "m"
-
-
-@dataclass
-class PlayedEngine:
-    """An engine played by the test: receives the router's frames, sends pieces back."""
-
-    engine_id: str
-    pull: zmq.asyncio.Socket
-    push: zmq.asyncio.Socket | None = None
-
-    async def next_add(self) -> AddRequest:
-        frames = await asyncio.wait_for(self.pull.recv_multipart(), timeout=5)
-        message = EngineRequestDecoder().decode(frames[0], frames[1])
-        assert isinstance(message, AddRequest), message
-        return message
-
-    async def send(self, reply_to: str, *pieces: RequestPiece) -> None:
-        if self.push is None:
-            self.push = self.pull.context.socket(zmq.PUSH)
-            self.push.connect(reply_to)
-        body = msgspec.msgpack.encode(OutputBatch(self.engine_id, 0, list(pieces)))
-        await self.push.send_multipart([b"\x02", body])
+from tests.unit.played_engines import MODEL, PlayedEngine, played_fleet, until
 
 
 @pytest.fixture
 async def setup() -> AsyncIterator[tuple[Generation, dict[str, PlayedEngine]]]:
-    ctx = zmq.asyncio.Context()
-    metrics = RouterMetrics()
-    reply_to = f"tcp://127.0.0.1:{free_port()}"
-    engines = EngineClient(ctx, reply_to, 100, on_link=lambda *_: None, metrics=metrics)
-    fleet = FleetView(aioredis.Redis(), Keys("test"), lambda _: None, engines.engine_lost)
-    played: dict[str, PlayedEngine] = {}
-    for engine_id in ("e0", "e1"):
-        pull = ctx.socket(zmq.PULL)
-        address = f"tcp://127.0.0.1:{free_port()}"
-        pull.bind(address)
-        played[engine_id] = PlayedEngine(engine_id, pull)
-        record = EngineRecord(
-            engine_id=engine_id,
-            model=MODEL,
-            zmq_address=address,
-            http_address="",
-            max_model_len=100,
-            protocol_version=PROTOCOL_VERSION,
-            started_at=time.time(),
-        )
-        fleet.engines[engine_id] = EngineView(record)
-        engines.connect(engine_id, address)
-    generation = Generation("r", [MODEL], fleet, engines, metrics, max_inflight=10, max_attempts=3)
-    ingest = asyncio.create_task(engines.ingest_forever())
-    try:
+    async with played_fleet() as (generation, played):
         yield generation, played
-    finally:
-        ingest.cancel()
-        await engines.aclose()
-        for engine in played.values():
-            engine.pull.close(linger=0)
-            if engine.push is not None:
-                engine.push.close(linger=0)
-        ctx.term()
 
 
 async def start(generation: Generation, engine_id: str) -> GenerationHandle:
@@ -137,7 +69,7 @@ async def streaming_on_e0(generation: Generation, played: dict[str, PlayedEngine
     got: list[RequestDelta] = []
     reader = asyncio.create_task(read_all(handle.deltas(), got))
     await played["e0"].send(add.reply_to, RequestPiece(handle.request_id, 0, [10], "a"))
-    await _until(lambda: len(got) == 1)
+    await until(lambda: len(got) == 1)
     return Streaming(handle, add, got, reader)
 
 
@@ -152,7 +84,7 @@ async def test_a_request_whose_engine_dies_goes_on_after_its_delivered_tokens(
     await e0.send(add.reply_to, RequestPiece(handle.request_id, 0, [10, 11, 12], "abc"))
     got: list[RequestDelta] = []
     reader = asyncio.create_task(read_all(handle.deltas(), got))
-    await _until(lambda: sum(len(d.token_ids) for d in got) == 3)
+    await until(lambda: sum(len(d.token_ids) for d in got) == 3)
 
     generation.engines.fail_requests("e0", "dropped its connection")
     resumed = await e1.next_add()
@@ -241,7 +173,7 @@ async def test_attempts_are_bounded(setup: tuple[Generation, dict[str, PlayedEng
     second = await played["e1"].next_add()
     assert second.output_token_ids == [10]
     await played["e1"].send(second.reply_to, RequestPiece(handle.request_id, 1, [11], "b", generation=1))
-    await _until(lambda: len(got) == 2)
+    await until(lambda: len(got) == 2)
     generation.engines.fail_requests("e1", "died")
     with pytest.raises(EngineFailedError) as failed:
         await asyncio.wait_for(reader, timeout=5)
@@ -269,13 +201,6 @@ async def test_a_refusal_before_the_first_token_with_no_engine_left_is_a_503(
     )
     with pytest.raises(NoEngineError):
         await asyncio.wait_for(anext(handle.deltas()), timeout=5)
-
-
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_an_engine_lost_by_its_heartbeat_is_told_to_abort_what_goes_on_elsewhere(

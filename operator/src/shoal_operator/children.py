@@ -320,6 +320,7 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "--port", str(ROUTER_HTTP_PORT),
         "--zmq-port", str(ROUTER_ZMQ_PORT),
         "--scheduler", router.scheduler,
+        "--hold-max", f"{router.hold_max_s:g}",
     ]  # fmt: skip
     if router.balance:
         args.append("--balance")

@@ -103,9 +103,12 @@ FLEET = Dashboard(
         ),
         Panel(
             "Requests in flight",
-            "Generation requests the routers are serving now, and engines by state.",
+            "Generation requests the routers are serving now, those waiting for a slot (the router "
+            "is full) or for KV room (every engine is short of it), and engines by state.",
             (
                 ("sum(shoal_router_requests_inflight)", "in flight"),
+                ("sum(shoal_router_requests_queued)", "waiting for a slot"),
+                ("sum(shoal_router_requests_held)", "held for KV room"),
                 (f"max by (state) (shoal_router_engines{{{MODEL}}})", "engines {{state}}"),
             ),
         ),

@@ -198,6 +198,15 @@ class RouterSpec(_Spec):
         "round_robin, prefix_affinity, session_affinity (the x-session-id header), or scorer weights "
         "such as prefix_affinity=2,least_load=1.",
     )
+    hold_max_s: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=60.0,
+        alias="holdMaxSeconds",
+        description="While every engine is short of KV cache (under 2 blocks per batch slot), a new "
+        "request waits at the router for room, at most this long, instead of making an engine preempt "
+        "a running one; 0 sends every request at once.",
+    )
     balance: bool = Field(
         default=False,
         description="The routers elect a leader (a lease in Redis) that moves running requests from "

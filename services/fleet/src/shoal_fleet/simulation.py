@@ -10,6 +10,9 @@ simulation in which every part that decides is Shoal's own code:
 * dispatch is the router's ``Scheduler`` over its ``EngineView`` objects, fed load reports every
   ``report_interval_s`` (the engines' report period) and told of each request sent in between,
   as the router's fleet poll and dispatch do;
+* with ``Fleet.hold``, a new request waits in the router's ``HoldLine`` while the engine it
+  would go to is short of KV, released at each load report as the router releases it after
+  each fleet poll;
 * balancing is the router's ``Balancer`` policy, checked every ``balance_interval_s``; the source
   engine picks the request to move as ``EngineService.cheapest_to_move`` does, and the move is
   timed as the migration protocol runs it: a prepare call (the target reserves the blocks or
@@ -35,6 +38,7 @@ from shoal_engine.migration import MIN_TOKENS_LEFT
 from shoal_engine.sim_backend import SimBatch, SimConfig, SimRequest, Step
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
+from shoal_router.core.hold import HoldLine, HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy, Balancer, Move
 from shoal_router.core.scheduling import Ask, Scheduler
 
@@ -96,6 +100,9 @@ class Fleet:
     engines' ``--priority-headroom``)."""
     rpc_ms: float = 2.0
     """One control call (prepare, commit) between engines."""
+    hold: HoldPolicy | None = None
+    """Hold new requests at the router while every engine is short of KV (``core.hold``);
+    None sends each at once."""
     max_stages: int = 3
     last_stage_blocks: int = 2
     """Pre-copy stages go on while more blocks than this filled during the last one."""
@@ -104,6 +111,8 @@ class Fleet:
 @dataclass(eq=False)
 class _Tracked:
     arrival: float
+    sent: float
+    """When the router sent it to an engine: its arrival, unless it was held."""
     request: SimRequest
     engine: int
     first: float = -1.0
@@ -134,6 +143,8 @@ class Result:
     empty_engines: float = 0.0
     """Engines holding no request, on average over the second half of the arrival window (load
     reports' view): what a scale-down could remove without moving anything."""
+    held_s: list[float] = field(default_factory=list)
+    """Per request: how long the router held it before sending it (0 for most)."""
     priority_ttft: list[float] = field(default_factory=list)
     priority_decode: list[float] = field(default_factory=list)
     """The same as ``ttft`` and ``decode``, for the priority requests alone (in both lists)."""
@@ -159,6 +170,8 @@ class Result:
             "migrations": self.migrations,
             "stall_p99_ms": p(self.stall_ms, 99),
             "empty_engines": self.empty_engines,
+            "held": sum(1 for h in self.held_s if h > 0),
+            "held_p99_s": p(self.held_s, 99),
             **(
                 {
                     "priority_ttft_p99_s": p(self.priority_ttft, 99),
@@ -169,6 +182,10 @@ class Result:
                 else {}
             ),
         }
+
+
+def _cannot_fail(exc: Exception) -> None:
+    raise AssertionError("the simulated fleet always has an engine") from exc
 
 
 def _decode(tracked: list[_Tracked]) -> list[float]:
@@ -193,6 +210,8 @@ class Simulation:
         self.balancer = Balancer(fleet.balance)
         self._report_seq = 0
         self._tracked: dict[str, _Tracked] = {}
+        self._arrived = 0
+        self.held = HoldLine(fleet.hold, self._pick) if fleet.hold is not None else None
         self._left = workload.requests
         self.migrations = self.refused = 0
         self.stalls: list[float] = []
@@ -242,24 +261,38 @@ class Simulation:
             migration_refused=self.refused,
             stall_ms=self.stalls,
             empty_engines=self._empty_seen / self._empty_reports if self._empty_reports else 0.0,
+            held_s=[t.sent - t.arrival for t in tracked],
             priority_ttft=[t.first - t.arrival for t in urgent],
             priority_decode=_decode(urgent),
         )
 
     # ---- requests and engines ---------------------------------------------------------------
 
-    def _arrive(self, prompt: int, output: int, priority: bool = False) -> None:
-        request_id = f"r{len(self._tracked)}"
-        # Prompt ids only feed affinity scorers' hashes; distinct per request.
-        ask = Ask("m", range(len(self._tracked) * 8192, len(self._tracked) * 8192 + prompt))
+    def _pick(self, ask: Ask) -> EngineView:
         view = self.scheduler.pick(ask, self.views)
         assert view is not None
-        engine = self._by_id[view.engine_id]
-        view.sent(ask.prompt_blocks)
-        request = SimRequest(request_id, prompt, output)
-        self._tracked[request_id] = _Tracked(self.now, request, engine, priority=priority)
-        self.batches[engine].add(request)
-        self._wake(engine)
+        return view
+
+    def _arrive(self, prompt: int, output: int, priority: bool = False) -> None:
+        number, arrival = self._arrived, self.now
+        self._arrived += 1
+        # Prompt ids only feed affinity scorers' hashes; distinct per request.
+        ask = Ask("m", range(number * 8192, number * 8192 + prompt))
+
+        def send(view: EngineView) -> None:
+            engine = self._by_id[view.engine_id]
+            view.sent(ask.prompt_blocks)
+            request = SimRequest(f"r{number}", prompt, output)
+            self._tracked[request.request_id] = _Tracked(
+                arrival, self.now, request, engine, priority=priority
+            )
+            self.batches[engine].add(request)
+            self._wake(engine)
+
+        if self.held is None or priority:  # priority requests have their headroom; never held
+            send(self._pick(ask))
+        else:
+            self.held.offer(ask, self.now, send, fail=_cannot_fail)
 
     def _wake(self, engine: int) -> None:
         if self._steps[engine] is None:
@@ -323,6 +356,8 @@ class Simulation:
                     kv_blocks_reserved=min(batch.config.kv_blocks, round(headroom * urgent)),
                 )
             )
+        if self.held is not None:
+            self.held.release(self.now)
         self.at(self.now + self.fleet.report_interval_s, self._report)
 
     # ---- balancing migrations -----------------------------------------------------------------

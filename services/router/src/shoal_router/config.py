@@ -83,6 +83,14 @@ class RouterConfig(BaseModel):
     session_header: str = Field(default="x-session-id", min_length=1, pattern=r"^[A-Za-z0-9\-]+$")
     """The request header session affinity keys on."""
 
+    hold_below: float = 2.0
+    """Freeness (KV blocks left per batch slot, the request's prompt counted) under which a new
+    request waits at the router for room instead of going to an engine that would preempt for
+    it (``core.hold``)."""
+
+    hold_max_s: float = Field(default=1.0, ge=0.0, le=60.0)
+    """The longest a request waits for KV room before it goes out anyway (0: never held)."""
+
     balance: bool = False
     """Compete for the cluster's leader lease and, holding it, move running requests from
     crowded engines to free ones (``core.rebalance``; engines need ``--migration``)."""

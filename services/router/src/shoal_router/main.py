@@ -29,6 +29,7 @@ from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
 from shoal_router.config import RouterConfig
 from shoal_router.core.dispatch import EngineView
+from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.ratelimit import Limits, RateLimiter
 from shoal_router.core.rebalance import BalancePolicy, Lease, Rebalancer
 from shoal_router.core.scheduling import Scheduler
@@ -88,6 +89,15 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--prefix-blocks", type=int, default=4, help="prompt blocks prefix affinity keys on")
     parser.add_argument("--session-header", default="x-session-id", help="header session affinity keys on")
     parser.add_argument(
+        "--hold-below",
+        type=float,
+        default=2.0,
+        help="KV blocks per batch slot under which a new request waits at the router for room",
+    )
+    parser.add_argument(
+        "--hold-max", type=float, default=1.0, help="longest wait for KV room, seconds (0: never hold)"
+    )
+    parser.add_argument(
         "--balance", action="store_true", help="as the cluster's leader, move requests off crowded engines"
     )
     parser.add_argument("--balance-interval", type=float, default=1.0, help="seconds between checks")
@@ -141,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         scheduler=args.scheduler,
         prefix_blocks=args.prefix_blocks,
         session_header=args.session_header,
+        hold_below=args.hold_below,
+        hold_max_s=args.hold_max,
         balance=args.balance,
         balance_interval_s=args.balance_interval,
         balance_threshold=args.balance_threshold,
@@ -203,7 +215,9 @@ def build_app(config: RouterConfig) -> FastAPI:
         config.queue_timeout_s,
         Scheduler(config.scheduler, config.prefix_blocks),
         config.session_header,
+        HoldPolicy(config.hold_below, config.hold_max_s),
     )
+    fleet.after_poll.append(generation.release_held)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

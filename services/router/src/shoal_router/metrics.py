@@ -182,6 +182,16 @@ class RouterMetrics:
         self.queued = Gauge(
             "shoal_router_requests_queued", "Requests waiting for a slot (the router is full).", registry=r
         )
+        self.held = Gauge(
+            "shoal_router_requests_held",
+            "Requests waiting at the router for an engine with KV room (every engine is short of it).",
+            registry=r,
+        )
+        self.hold_expired = Counter(
+            "shoal_router_hold_expired",
+            "Held requests sent after their longest wait, to an engine still short of KV room.",
+            registry=r,
+        )
         self.dispatched = Counter(
             "shoal_router_dispatched",
             "Requests sent to each engine, by the dispatch policy that chose it.",
@@ -277,7 +287,8 @@ class RouterMetrics:
         )
         self.queue = Histogram(
             "shoal_router_queue_seconds",
-            "From request arrival to its dispatch to an engine (tokenizing and picking included).",
+            "From request arrival to its dispatch to an engine (tokenizing, picking and any hold for KV room "
+            "included).",
             ["model"],
             buckets=_QUEUE_BUCKETS,
             registry=r,

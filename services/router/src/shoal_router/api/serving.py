@@ -2,18 +2,20 @@
 
 ``Generation.start`` checks the model and the context length, picks an engine and sends the ADD
 before any byte of the response is written, so every error known up front gets its own HTTP
-status. ``GenerationHandle.deltas`` then yields the request's output. An engine that refuses
-the request (it is draining) or dies while serving it (its link dropped, its heartbeat lapsed,
-its vLLM core died) is replaced by another one, which continues the request after the tokens
-the client already has: the prompt plus those tokens go to it as a resumed request, whose
-pieces start at the next index, so the stream goes on with every token exactly once. At most
-``max_attempts`` engines serve one request; past that, or with no engine left, the stream ends
-with an error event. Leaving the iteration early (the client went away) aborts the request on
-its engine.
+status. While every engine is short of KV, the request first waits at the router for room, a
+bounded time (``core.hold``). ``GenerationHandle.deltas`` then yields the request's output. An
+engine that refuses the request (it is draining) or dies while serving it (its link dropped,
+its heartbeat lapsed, its vLLM core died) is replaced by another one, which continues the
+request after the tokens the client already has: the prompt plus those tokens go to it as a
+resumed request, whose pieces start at the next index, so the stream goes on with every token
+exactly once. At most ``max_attempts`` engines serve one request; past that, or with no engine
+left, the stream ends with an error event. Leaving the iteration early (the client went away)
+aborts the request on its engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from shoal_protos.messages import AddRequest, FinishReason, PieceError, SamplingOptions
 from shoal_router.core.admission import Admission
 from shoal_router.core.dispatch import EngineView
+from shoal_router.core.hold import HoldLine, HoldPolicy
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
 from shoal_router.core.scheduling import Ask, Scheduler
 from shoal_router.errors import (
@@ -52,6 +55,7 @@ class Generation:
         queue_timeout_s: float = 30.0,
         scheduler: Scheduler | None = None,
         session_header: str = "x-session-id",
+        hold: HoldPolicy | None = None,
     ) -> None:
         self._router_id = router_id
         self._configured = configured_models
@@ -63,6 +67,8 @@ class Generation:
         self.scheduler = scheduler or Scheduler()
         self.session_header = session_header
         self.inflight = 0
+        # Requests waiting for an engine with KV room (``core.hold``); None: never held.
+        self.held = HoldLine(hold, self.pick) if hold is not None and hold.max_s > 0 else None
 
     @property
     def router_id(self) -> str:
@@ -128,6 +134,7 @@ class Generation:
             await self.admission.enter()
         finally:
             self.metrics.queued.dec()
+        handle: GenerationHandle | None = None
         try:
             handle = GenerationHandle(
                 self,
@@ -137,11 +144,53 @@ class Generation:
                 on_close,
                 session,
             )
-            handle.dispatch()
+            if self.held is None or priority < 0:  # a priority request has its KV headroom
+                handle.dispatch()
+            else:
+                await self._dispatch_when_room(handle)
         except BaseException:
-            self.admission.leave()
+            if handle is not None and handle.dispatched:
+                handle.close()  # sent as the wait was cancelled: abort it there; frees the slot
+            else:
+                self.admission.leave()
             raise
         return handle
+
+    async def _dispatch_when_room(self, handle: GenerationHandle) -> None:
+        """Dispatch at once if an engine has KV room for the request (and none waits before
+        it); else wait in the hold line until ``release_held`` sends it or fails it."""
+        assert self.held is not None
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def send(view: EngineView) -> None:
+            handle.dispatch(view)
+            if not sent.done():
+                sent.set_result(None)
+
+        def fail(exc: Exception) -> None:
+            if not sent.done():
+                sent.set_exception(exc)
+
+        held = self.held.offer(handle.ask(), time.monotonic(), send, fail)
+        if held is None:
+            return
+        self.metrics.held.set(len(self.held))
+        try:
+            await sent
+        finally:
+            self.held.leave(held)
+            self.metrics.held.set(len(self.held))
+
+    def release_held(self) -> None:
+        """Send the held requests that now have room or waited their longest (called after
+        each read of the fleet's load reports)."""
+        if self.held is None or not len(self.held):
+            return
+        expired = self.held.expired
+        self.held.release(time.monotonic())
+        self.metrics.held.set(len(self.held))
+        if self.held.expired != expired:
+            self.metrics.hold_expired.inc(self.held.expired - expired)
 
     def pick(self, ask: Ask) -> EngineView:
         view = self.scheduler.pick(ask, self.fleet.engines_for(ask.model))
@@ -188,14 +237,26 @@ class GenerationHandle:
     def output_tokens(self) -> int:
         return self.collector.delivered
 
-    def dispatch(self) -> None:
-        gen = self._gen
+    @property
+    def dispatched(self) -> bool:
+        """Whether the request went to an engine (it may have ended there since)."""
+        return self._attempts > 0
+
+    def ask(self) -> Ask:
+        """What dispatch weighs: the request's context, session and the engines it failed on."""
         add = self._add
         context = add.prompt_token_ids
         if add.output_token_ids:  # resumed: the engine takes in the tokens delivered too
             context = [*context, *add.output_token_ids]
-        ask = Ask(self.model, context, self._session, self._failed)
-        view = gen.pick(ask)
+        return Ask(self.model, context, self._session, self._failed)
+
+    def dispatch(self, view: EngineView | None = None) -> None:
+        """Send the request to ``view``, or to the engine dispatch picks now."""
+        gen = self._gen
+        add = self._add
+        ask = self.ask()
+        if view is None:
+            view = gen.pick(ask)
         gen.engines.add(view.engine_id, add, self.collector)
         self._attempts += 1
         self._view = view

@@ -95,6 +95,8 @@ class FleetView:
         self.engines: dict[str, EngineView] = {}
         self.redis_ok = False
         self.polls = 0
+        self.after_poll: list[Callable[[], None]] = []
+        """Called after every poll, read or not (the router releases held requests there)."""
         self._read_fleet = client.register_script(_READ_FLEET)
 
     def engines_for(self, model: str) -> list[EngineView]:
@@ -232,4 +234,9 @@ class FleetView:
                 # A bug in a callback must not freeze the router's view of the fleet for good.
                 logger.exception("fleet poll failed; retrying")
             self.polls += 1
+            for callback in self.after_poll:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("a callback after the fleet poll failed")
             await asyncio.sleep(interval_s)

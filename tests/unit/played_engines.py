@@ -1,0 +1,109 @@
+"""Two engines played by a test over real ZeroMQ sockets, behind the router's real
+``Generation``: the router's frames arrive on plain PULL sockets, and the test sends pieces back
+with the real frames. Used by the unit tests of the request path (resume, hold)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+import zmq
+import zmq.asyncio
+
+from shoal_protos.messages import (
+    PROTOCOL_VERSION,
+    AddRequest,
+    EngineRequestDecoder,
+    OutputBatch,
+    RequestPiece,
+)
+from shoal_protos.records import EngineRecord, Keys
+from shoal_router.api.serving import Generation
+from shoal_router.core.dispatch import EngineView
+from shoal_router.ipc.engines import EngineClient
+from shoal_router.ipc.fleet import FleetView
+from shoal_router.metrics import RouterMetrics
+from tests.integration.support import free_port
+
+MODEL = "m"
+
+
+@dataclass
+class PlayedEngine:
+    """An engine played by the test: receives the router's frames, sends pieces back."""
+
+    engine_id: str
+    pull: zmq.asyncio.Socket
+    push: zmq.asyncio.Socket | None = None
+
+    async def next_add(self) -> AddRequest:
+        frames = await asyncio.wait_for(self.pull.recv_multipart(), timeout=5)
+        message = EngineRequestDecoder().decode(frames[0], frames[1])
+        assert isinstance(message, AddRequest), message
+        return message
+
+    async def send(self, reply_to: str, *pieces: RequestPiece) -> None:
+        if self.push is None:
+            self.push = self.pull.context.socket(zmq.PUSH)
+            self.push.connect(reply_to)
+        body = msgspec.msgpack.encode(OutputBatch(self.engine_id, 0, list(pieces)))
+        await self.push.send_multipart([b"\x02", body])
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait for ``condition`` (checked every 10 ms) for at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def played_fleet(
+    kv_blocks_total: int = 0, **generation: Any
+) -> AsyncIterator[tuple[Generation, dict[str, PlayedEngine]]]:
+    """A ``Generation`` over engines ``e0`` and ``e1`` (``kv_blocks_total`` KV blocks each; 0:
+    unknown), both played by the test; ``generation`` goes to ``Generation``."""
+    ctx = zmq.asyncio.Context()
+    metrics = RouterMetrics()
+    reply_to = f"tcp://127.0.0.1:{free_port()}"
+    engines = EngineClient(ctx, reply_to, 100, on_link=lambda *_: None, metrics=metrics)
+    fleet = FleetView(aioredis.Redis(), Keys("test"), lambda _: None, engines.engine_lost)
+    played: dict[str, PlayedEngine] = {}
+    for engine_id in ("e0", "e1"):
+        pull = ctx.socket(zmq.PULL)
+        address = f"tcp://127.0.0.1:{free_port()}"
+        pull.bind(address)
+        played[engine_id] = PlayedEngine(engine_id, pull)
+        record = EngineRecord(
+            engine_id=engine_id,
+            model=MODEL,
+            zmq_address=address,
+            http_address="",
+            max_model_len=100,
+            protocol_version=PROTOCOL_VERSION,
+            started_at=time.time(),
+            kv_blocks_total=kv_blocks_total,
+        )
+        fleet.engines[engine_id] = EngineView(record)
+        engines.connect(engine_id, address)
+    generation.setdefault("max_inflight", 10)
+    generation.setdefault("max_attempts", 3)
+    router = Generation("r", [MODEL], fleet, engines, metrics, **generation)
+    ingest = asyncio.create_task(engines.ingest_forever())
+    try:
+        yield router, played
+    finally:
+        ingest.cancel()
+        await engines.aclose()
+        for engine in played.values():
+            engine.pull.close(linger=0)
+            if engine.push is not None:
+                engine.push.close(linger=0)
+        ctx.term()
