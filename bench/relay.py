@@ -100,6 +100,42 @@ class Processes:
                 proc.kill()
 
 
+CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+@contextlib.contextmanager
+def cpu_limits() -> Iterator[Callable[[int, str, float], None]]:
+    """``limit(pid, name, cores)`` puts a process in a cgroup of its own whose CFS quota is
+    ``cores`` CPUs, as Kubernetes enforces a container's CPU limit; the cgroups go when the block
+    ends (needs root and the cpu controller, v1 or v2)."""
+    made: list[Path] = []
+
+    def limit(pid: int, name: str, cores: float) -> None:
+        period = 100_000
+        if (CGROUP_V1_CPU / "cpu.cfs_quota_us").exists():
+            group = CGROUP_V1_CPU / f"shoal-relay-{name}-{pid}"
+            group.mkdir()
+            made.append(group)
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(round(cores * period)))
+        elif "cpu" in (CGROUP_V2 / "cgroup.controllers").read_text().split():
+            group = CGROUP_V2 / f"shoal-relay-{name}-{pid}"
+            group.mkdir()
+            made.append(group)
+            (group / "cpu.max").write_text(f"{round(cores * period)} {period}")
+        else:
+            raise RuntimeError("no cgroup cpu controller here: --router-cpu cannot limit the routers")
+        (group / "cgroup.procs").write_text(str(pid))
+
+    try:
+        yield limit
+    finally:
+        for group in made:
+            with contextlib.suppress(OSError):  # still holds a process that did not exit
+                group.rmdir()
+
+
 def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, procs: Processes) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
@@ -153,6 +189,8 @@ def fleet(
     ``services/router/src``) instead of the installed one; with ``front``, the clients talk to
     the Rust ``vllm-router`` (round robin) whose one worker is the first router."""
     procs = Processes(folder)
+    limits = contextlib.ExitStack()
+    limit = limits.enter_context(cpu_limits())
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     binary = shutil.which("redis-server")
@@ -202,6 +240,8 @@ def fleet(
             )  # fmt: skip
             urls.append(f"http://127.0.0.1:{port}")
             pids.append(proc.pid)
+            if args.router_cpu:
+                limit(proc.pid, f"router-{r}", args.router_cpu)
 
         def all_see_engines() -> bool:
             for url in urls:
@@ -240,6 +280,7 @@ def fleet(
         yield Running(urls, router_urls, pids, engine_pids, client, args.engines, front_pid)
     finally:
         procs.stop()
+        limits.close()
 
 
 def vllm_router_binary() -> str:
@@ -532,7 +573,12 @@ def section(
         f"machine's {os.cpu_count()} cores, so tokens/s is bounded by the whole machine and CPU per "
         "token is the routers' own cost. Router delay: from the engine batch being read off the "
         "router's socket to the SSE event being handed to the client's connection "
-        "(`shoal_router_relay_delay_seconds`, as its bucket bounds).",
+        "(`shoal_router_relay_delay_seconds`, as its bucket bounds)."
+        + (
+            f" Each router is limited to {args.router_cpu:g} CPU (a cgroup quota, as a pod's CPU limit)."
+            if args.router_cpu
+            else ""
+        ),
         "",
         "| routers | streams | most running | tokens/s | tokens per SSE event | router CPU per token | "
         "per event | router CPU (cores) | router delay p50 | p99 | gap p50 | gap p99 | engine step | "
@@ -643,6 +689,12 @@ def main() -> None:
         "services/router/src), for a before/after in one run",
     )
     parser.add_argument("--no-vllm-router", action="store_true", help="skip the rounds through vllm-router")
+    parser.add_argument(
+        "--router-cpu",
+        type=float,
+        default=0.0,
+        help="limit each router to this many CPUs (a cgroup quota, as a pod's CPU limit; needs root)",
+    )
     args = parser.parse_args()
     if args.guard or args.record_guard:
         sys.exit(guard(args, record=args.record_guard))
