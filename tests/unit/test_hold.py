@@ -165,6 +165,19 @@ def test_when_no_engine_is_left_the_held_requests_fail_and_the_line_goes_on() ->
     assert len(line) == 0
 
 
+def test_an_engine_whose_kv_size_is_unknown_is_not_waited_for() -> None:
+    record = EngineRecord(
+        engine_id="e0", model=MODEL, zmq_address="tcp://h:1", http_address="",
+        max_model_len=4096, protocol_version=1, started_at=0.0,
+    )  # fmt: skip
+    unreported = EngineView(record)
+    sent, line = Sent(), line_over([unreported], HoldPolicy(below=2.0, max_s=1.0))
+    assert offer(line, sent, "a", 320, now=0.0) is None and sent.to == {"a": "e0"}
+    # A report without KV numbers (a backend that keeps none) leaves it unknown too.
+    report(unreported, running=3, used=0)
+    assert offer(line, sent, "b", 320, now=0.0) is None and sent.to == {"a": "e0", "b": "e0"}
+
+
 def test_a_zero_wait_never_holds() -> None:
     views = [engine("e0", running=20, used=1020)]
     sent, line = Sent(), line_over(views, HoldPolicy(below=2.0, max_s=0.0))

@@ -36,8 +36,18 @@ class HoldPolicy:
     """The longest a request waits; 0 sends every request at once."""
 
     def room(self, view: EngineView, ask: Ask) -> bool:
-        """Whether ``view`` has room for ``ask``: its freeness once the prompt is sent."""
+        """Whether ``view`` has room for ``ask``: its freeness once the prompt is sent. An
+        engine whose KV size nobody knows yet (no size registered, no blocks reported) has room:
+        there is nothing to wait for."""
+        if not kv_known(view):
+            return True
         return freeness_after(view, ask.prompt_blocks) >= self.below
+
+
+def kv_known(view: EngineView) -> bool:
+    """Whether the engine's KV cache size is known, from its record or its load report."""
+    report = view.report
+    return bool(view.record.kv_blocks_total or (report and report.kv_blocks_used + report.kv_blocks_free))
 
 
 def freeness_after(view: EngineView, blocks: int) -> float:
