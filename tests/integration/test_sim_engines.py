@@ -1,19 +1,22 @@
 """Simulated engines behind the real router: two ``shoal-engine --backend sim`` processes (the
 engine service with vLLM replaced by the A100 step-time model, at 4x speed) register in a real
 Redis, a real router places requests on them over ZeroMQ, and the official ``openai`` client
-streams the answers. Every token arrives exactly once, the router spreads the load, and a KV
-cache too small for the batch preempts requests without losing or repeating a token."""
+streams the answers. Every token arrives exactly once, the router spreads the load, a KV
+cache too small for the batch preempts requests without losing or repeating a token, and a
+request the engine has no KV room for waits at the router until it has."""
 
 from __future__ import annotations
 
 import asyncio
+import pathlib
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.support import STALL_S, SimFleet
+from tests.integration.support import STALL_S, SimFleet, wait_until
 from tests.integration.support import sim_fleet as start_sim_fleet
 
 pytestmark = pytest.mark.integration
@@ -79,3 +82,59 @@ async def test_a_full_kv_cache_preempts_and_no_token_is_lost_or_repeated(sim_fle
     alone = [await _stream(client, p, 300) for p in prompts[:2]]
     assert all(len(ids) == 300 for _, ids in crowded)
     assert [ids for _, ids in crowded[:2]] == [ids for _, ids in alone]
+
+
+def _router_sample(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
+    tmp_path: pathlib.Path,
+) -> None:
+    """One engine of 64 KV blocks: a running request holding 38 of them leaves too little for a
+    second 25-block prompt (the router's hold, ``core.hold``), which waits at the router, not in
+    the engine, and goes out once the first request ends and the engine reports its blocks free."""
+    engine_args = [
+        "--model", "llama3-8b-a100", "--sim-speed", "0.5", "--sim-kv-blocks", str(KV_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
+    ]  # fmt: skip
+    with start_sim_fleet(
+        tmp_path, "sim-hold", MODEL, engine_args, router_args=("--hold-max", "60"), engines=1
+    ) as fleet:
+        client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        first = asyncio.create_task(_stream(client, list(range(2000, 2600)), 400))  # 38 blocks
+
+        def reported() -> bool:
+            # The engine's load report shows the first request's blocks (a report written before
+            # the engine took the request in would make the router forget what it sent).
+            (engine,) = _state(fleet.url)["engines"]
+            return bool(engine["running"] == 1 and engine["kv_usage"] >= 38 / KV_BLOCKS)
+
+        await asyncio.to_thread(wait_until, reported, STALL_S, "a load report with the first request")
+        second = asyncio.create_task(_stream(client, list(range(3000, 3400)), 300))  # 25 blocks
+        await asyncio.to_thread(
+            wait_until,
+            lambda: _router_sample(fleet.url, "shoal_router_requests_held") == 1,
+            STALL_S,
+            "the second request to be held",
+        )
+        assert not first.done(), "the first request ended before the second was held"
+        # Held at the router: the engine has only the first request.
+        assert await asyncio.to_thread(_engine_requests, fleet.engine_urls[0]) == 1
+        (_, first_ids), (_, second_ids) = await asyncio.wait_for(asyncio.gather(first, second), STALL_S)
+        assert len(first_ids) == 400 and len(second_ids) == 300
+        assert _router_sample(fleet.url, "shoal_router_requests_held") == 0
+        # It went out because the blocks came back, not because its wait ran out.
+        assert _router_sample(fleet.url, "shoal_router_hold_expired_total") == 0
+
+
+def _state(url: str) -> dict[str, Any]:
+    state: dict[str, Any] = httpx.get(url + "/fleet/state", timeout=STALL_S).json()
+    return state
+
+
+def _engine_requests(url: str) -> int:
+    return int(httpx.get(url + "/health", timeout=STALL_S).json()["requests"])
