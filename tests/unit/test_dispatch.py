@@ -90,3 +90,50 @@ def test_same_report_read_again_keeps_sent_since_report() -> None:
     assert engine.report is original
     assert engine.sent_since_report == 3
     assert engine.requests() == 5
+
+
+ROUTER = "tcp://10.0.0.5:5700"
+
+
+def _counted(seq: int, running: int, received: int) -> LoadReport:
+    """A report whose engine took in ``received`` requests from ``ROUTER``."""
+    return LoadReport(
+        engine_id="a", seq=seq, time=float(seq), num_running=running, kv_blocks_used=0,
+        kv_blocks_free=1000, received={ROUTER: received, "tcp://10.0.0.6:5700": 40},
+    )  # fmt: skip
+
+
+def _counting_view() -> EngineView:
+    record = EngineRecord(
+        engine_id="a", model="m", zmq_address="tcp://h:1", http_address="http://h:1",
+        max_model_len=128, protocol_version=1, started_at=0.0, kv_blocks_total=1000,
+    )  # fmt: skip
+    return EngineView(record, _counted(1, running=0, received=0), reply_to=ROUTER)
+
+
+def test_a_report_leaves_counted_the_sends_it_does_not_cover() -> None:
+    engine = _counting_view()
+    for blocks in (10, 20, 30):
+        engine.sent(blocks, now=0.0)
+    # Written when the engine had taken in the first send only, read after all three.
+    engine.update_report(_counted(2, running=1, received=1), now=0.1)
+    assert (engine.sent_since_report, engine.pending_blocks) == (2, 50)
+    assert engine.room == 1000 - 50
+    engine.update_report(_counted(3, running=3, received=3), now=0.2)
+    assert (engine.sent_since_report, engine.pending_blocks) == (0, 0)
+
+
+def test_a_send_no_report_covers_stops_counting_after_a_while() -> None:
+    # The engine restarted at the same address and counts from zero again.
+    engine = _counting_view()
+    engine.sent(10, now=0.0)
+    engine.sent(20, now=1.5)
+    engine.update_report(_counted(2, running=0, received=0), now=2.2)
+    assert (engine.sent_since_report, engine.pending_blocks) == (1, 20)
+
+
+def test_an_engine_that_does_not_count_has_its_report_cover_every_send() -> None:
+    engine = _counting_view()
+    engine.sent(10, now=0.0)
+    engine.update_report(LoadReport(engine_id="a", seq=2, time=2.0, num_running=1), now=0.1)
+    assert (engine.sent_since_report, engine.pending_blocks) == (0, 0)

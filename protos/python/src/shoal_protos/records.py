@@ -74,6 +74,10 @@ class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):
     # keeps for its priority requests (Llumnix's virtual usage), so dispatch sends it less and
     # balancing moves other requests away.
     kv_blocks_reserved: int = 0
+    # Requests (ADD frames) the engine took in from each router since it started, by the
+    # router's output address (``AddRequest.reply_to``): a router counts what it sent that the
+    # report cannot cover yet as exactly what it sent past this count.
+    received: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -294,6 +294,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
                 info.kv_blocks_total,
                 round(config.priority_headroom * info.kv_blocks_total * service.num_priority),
             ),
+            received=dict(service.received),
         )
 
     redis_client = state_client(config.redis_url, config.redis_timeout_s)

@@ -105,6 +105,9 @@ class EngineService:
         self._metrics = metrics
         self._on_fatal = on_fatal
         self._running: dict[str, _Running] = {}
+        self.received: dict[str, int] = {}
+        """ADD frames taken in from each router (by its output address) since the start; the
+        load report carries it (``LoadReport.received``)."""
         # Requests that moved away: request id -> owner engine id (bounded, oldest dropped).
         self._moved: dict[str, str] = {}
         self.forward_abort: ForwardAbort | None = None
@@ -211,6 +214,7 @@ class EngineService:
     def on_request(self, message: AddRequest | AbortRequest) -> None:
         """Called on the event loop for each decoded frame."""
         if isinstance(message, AddRequest):
+            self.received[message.reply_to] = self.received.get(message.reply_to, 0) + 1
             self._add(message)
         else:
             for request_id in message.request_ids:
@@ -255,6 +259,7 @@ class EngineService:
     def router_lost(self, reply_to: str) -> int:
         """Abort every request of the router whose output address is ``reply_to`` (its link
         dropped: the router died, and its clients with it). Returns how many."""
+        self.received.pop(reply_to, None)
         lost = [rid for rid, running in self._running.items() if running.add.reply_to == reply_to]
         for request_id in lost:
             self.abort(request_id, f"router at {reply_to} is gone")

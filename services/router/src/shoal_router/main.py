@@ -201,6 +201,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         restart_grace_s=config.redis_restart_grace_s,
         silence_grace_s=config.engine_silence_grace_s,
         metrics=metrics,
+        reply_to=engines.reply_to,
     )
     tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
     generation = Generation(

@@ -1,12 +1,19 @@
 """The router's view of one engine, which dispatch (``scheduling``) weighs.
 
 It joins two sources: the engine's own load report from Redis (every ~100 ms, covering the
-requests of every router) and what this router sent it since that report (requests and their
-prompt blocks, which the report cannot know yet).
+requests of every router) and what this router sent it that the report does not cover yet
+(requests and their prompt blocks). Which sends a report covers, the engine says: it counts the
+requests it took in from each router (``LoadReport.received``, by the router's output address),
+and this router numbers its sends to the engine, so a report read 90 ms after it was written
+leaves the sends of those 90 ms counted. An engine that does not count (or a view that does not
+know its router's address, as in the fleet simulation, whose reports are written and read at
+the same instant) has every send before the report taken as covered.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Generic, TypeVar, cast, overload
 
 from shoal_protos.records import EngineRecord, EngineState, LoadReport
@@ -16,6 +23,9 @@ T = TypeVar("T")
 ACTIVE = EngineState.ACTIVE
 UNKNOWN_ROOM = 1 << 62
 """``room`` of an engine whose KV size nobody reported yet: room for anything."""
+UNREPORTED_FOR_S = 2.0
+"""A send no report covered within this long is taken as covered anyway (the engine restarted
+at the same address and counts from zero again, say), so it cannot weigh on dispatch for good."""
 
 
 class _Input(Generic[T]):
@@ -51,8 +61,9 @@ class EngineView:
     """
 
     __slots__ = (
-        "_connected", "_emptying", "_inflight", "_pending_blocks", "_record", "_report",
-        "_sent_since_report", "_silent", "dispatchable", "free", "held", "room", "usable",
+        "_connected", "_emptying", "_inflight", "_pending_blocks", "_record", "_reply_to", "_report",
+        "_sends", "_sent", "_sent_since_report", "_silent", "dispatchable", "free", "held", "room",
+        "usable",
     )  # fmt: skip
 
     def __init__(
@@ -65,8 +76,14 @@ class EngineView:
         pending_blocks: int = 0,
         emptying: bool = False,
         silent: bool = False,
+        reply_to: str = "",
     ) -> None:
         self._record = record
+        # This router's output address: its key in the report's ``received`` counts.
+        self._reply_to = reply_to
+        # This router's sends to the engine no report covered yet: (number, when, blocks).
+        self._sends: deque[tuple[int, float, int]] = deque()
+        self._sent = 0
         self._report = report
         # Requests this router sent since ``report`` was written, and their prompts' KV blocks.
         self._sent_since_report = sent_since_report
@@ -117,8 +134,10 @@ class EngineView:
     def report(self) -> LoadReport | None:
         return self._report
 
-    def sent(self, blocks: int) -> None:
+    def sent(self, blocks: int, now: float | None = None) -> None:
         """This router sent the engine a request whose prompt takes ``blocks`` KV blocks."""
+        self._sent += 1
+        self._sends.append((self._sent, time.monotonic() if now is None else now, blocks))
         self._sent_since_report += 1
         self._pending_blocks += blocks
         self._inflight += 1
@@ -149,11 +168,21 @@ class EngineView:
         blocks = self._report.kv_blocks_used + self._report.kv_blocks_free
         return self._report.kv_blocks_used / blocks if blocks else 0.0
 
-    def update_report(self, report: LoadReport) -> None:
+    def update_report(self, report: LoadReport, now: float | None = None) -> None:
+        """A load report read from Redis; what this router sent that it does not cover stays
+        counted (see the module)."""
         if self._report is None or report.seq != self._report.seq:
             self._report = report
-            self._sent_since_report = 0
-            self._pending_blocks = 0
+            sends = self._sends
+            covered = report.received.get(self._reply_to) if self._reply_to else None
+            if covered is None:
+                sends.clear()
+            else:
+                stale = (time.monotonic() if now is None else now) - UNREPORTED_FOR_S
+                while sends and (sends[0][0] <= covered or sends[0][1] < stale):
+                    sends.popleft()
+            self._sent_since_report = len(sends)
+            self._pending_blocks = sum(blocks for _, _, blocks in sends)
             self._derive()
 
     def requests(self) -> int:

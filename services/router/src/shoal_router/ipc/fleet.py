@@ -81,8 +81,11 @@ class FleetView:
         restart_grace_s: float = 10.0,
         silence_grace_s: float = 1.0,
         metrics: RouterMetrics | None = None,
+        reply_to: str = "",
     ) -> None:
         self._client = client
+        # This router's output address, which engines count the requests they took in by.
+        self._reply_to = reply_to
         self._restart_grace_s = restart_grace_s
         self._silence_grace_s = silence_grace_s
         # Engines whose record expired, and when this router first found it gone.
@@ -184,7 +187,7 @@ class FleetView:
         if view is None or view.record.zmq_address != record.zmq_address:
             if view is not None:
                 self._on_lost(record.engine_id, "restarted at a new address")
-            view = self.engines[record.engine_id] = EngineView(record)
+            view = self.engines[record.engine_id] = EngineView(record, reply_to=self._reply_to)
             self._on_added(record)
             logger.info(
                 "engine %s joined: model %s at %s", record.engine_id, record.model, record.zmq_address
