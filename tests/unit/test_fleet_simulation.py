@@ -70,6 +70,22 @@ def test_holding_requests_while_the_fleet_is_short_of_kv_preempts_less_and_waits
     assert not any(sent.held_s)
 
 
+def test_reports_read_late_lose_nothing_with_or_without_the_engines_counts() -> None:
+    workload = Workload(rate=7.0, requests=300, seed=3)
+    results = []
+    for count in (True, False):
+        fleet = Fleet(
+            engines=4, sim=SIM, scheduler="least_load", report_read_delay_s=0.1, count_received=count
+        )
+        results.append(Simulation(fleet, workload).run())
+        again = Simulation(fleet, workload).run()  # same seed, same run
+        assert (again.ttft, again.decode) == (results[-1].ttft, results[-1].decode)
+    assert all(r.tokens == sum(o for _, _, o in workload.draw()) for r in results)
+    # Read late, the reports lead dispatch to other engines than reports read at once do.
+    at_once = Simulation(Fleet(engines=4, sim=SIM, scheduler="least_load"), workload).run()
+    assert results[0].ttft != at_once.ttft
+
+
 def test_balancing_moves_requests_and_each_move_stalls_for_the_last_blocks_only() -> None:
     moved = _run("least_load", migrate=True)
     assert moved["migrations"] > 0

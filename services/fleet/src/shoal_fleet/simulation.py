@@ -42,6 +42,9 @@ from shoal_router.core.hold import HoldLine, HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy, Balancer, Move
 from shoal_router.core.scheduling import Ask, Scheduler
 
+ROUTER = "sim-router"
+"""The simulated router's output address, which engines count its requests by."""
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -91,6 +94,14 @@ class Fleet:
     balance: BalancePolicy = field(default_factory=BalancePolicy)
     balance_interval_s: float = 1.0
     report_interval_s: float = 0.1
+    report_read_delay_s: float = 0.0
+    """The router reads each round of load reports this long after the engines wrote it, at
+    most (drawn per round, uniformly; the router polls Redis on its own clock): 0 reads them at
+    once. Sends in between are what ``LoadReport.received`` is for."""
+    count_received: bool = True
+    """Reports carry the requests each engine took in (``LoadReport.received``), so the router
+    counts its sends past them; False: a report read covers every send before it (the router
+    before it had the counts)."""
     kv_bandwidth_gbps: float = 8.0
     """Gigabytes per second between two engines' KV caches."""
     block_bytes: int = 16 * 512 * 1024
@@ -204,7 +215,10 @@ class Simulation:
         self._seq = itertools.count()
         self.batches = [SimBatch(fleet.sim) for _ in range(fleet.engines)]
         self._steps: list[Step | None] = [None] * fleet.engines
-        self.views = [EngineView(self._record(i)) for i in range(fleet.engines)]
+        reply_to = ROUTER if fleet.count_received else ""
+        self.views = [EngineView(self._record(i), reply_to=reply_to) for i in range(fleet.engines)]
+        self._received = [0] * fleet.engines
+        self._read_delay = random.Random(workload.seed + 2)
         self._by_id = {view.engine_id: i for i, view in enumerate(self.views)}
         self.scheduler = Scheduler(fleet.scheduler, rng=random.Random(workload.seed))
         self.balancer = Balancer(fleet.balance)
@@ -281,7 +295,8 @@ class Simulation:
 
         def send(view: EngineView) -> None:
             engine = self._by_id[view.engine_id]
-            view.sent(ask.prompt_blocks)
+            view.sent(ask.prompt_blocks, now=self.now)
+            self._received[engine] += 1  # dispatch is instantaneous: the engine has it now
             request = SimRequest(f"r{number}", prompt, output)
             self._tracked[request.request_id] = _Tracked(
                 arrival, self.now, request, engine, priority=priority
@@ -337,14 +352,15 @@ class Simulation:
             self._empty_reports += 1
             self._empty_seen += sum(1 for b in self.batches if not b.running and not b.waiting)
         headroom = self.fleet.priority_headroom * self.fleet.sim.kv_blocks
-        for batch, view in zip(self.batches, self.views, strict=True):
+        reports = []
+        for engine, (batch, view) in enumerate(zip(self.batches, self.views, strict=True)):
             used = batch.config.kv_blocks - batch.free
             urgent = (
                 sum(1 for r in (*batch.running, *batch.waiting) if self._tracked[r.request_id].priority)
                 if headroom
                 else 0
             )
-            view.update_report(
+            reports.append(
                 LoadReport(
                     engine_id=view.engine_id,
                     seq=self._report_seq,
@@ -354,11 +370,22 @@ class Simulation:
                     kv_blocks_used=used,
                     kv_blocks_free=batch.free,
                     kv_blocks_reserved=min(batch.config.kv_blocks, round(headroom * urgent)),
+                    received={ROUTER: self._received[engine]} if self.fleet.count_received else {},
                 )
             )
+        if self.fleet.report_read_delay_s:
+            delay = self._read_delay.uniform(0.0, self.fleet.report_read_delay_s)
+            self.at(self.now + delay, lambda: self._read(reports))
+        else:
+            self._read(reports)
+        self.at(self.now + self.fleet.report_interval_s, self._report)
+
+    def _read(self, reports: list[LoadReport]) -> None:
+        """The router reads a round of load reports (and sends what it held, if it has room)."""
+        for view, report in zip(self.views, reports, strict=True):
+            view.update_report(report, now=self.now)
         if self.held is not None:
             self.held.release(self.now)
-        self.at(self.now + self.fleet.report_interval_s, self._report)
 
     # ---- balancing migrations -----------------------------------------------------------------
 
