@@ -108,8 +108,7 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
         first = asyncio.create_task(_stream(client, list(range(2000, 2600)), 400))  # 38 blocks
 
         def reported() -> bool:
-            # The engine's load report shows the first request's blocks (a report written before
-            # the engine took the request in would make the router forget what it sent).
+            # The engine's load report shows the first request running, with its blocks.
             (engine,) = _state(fleet.url)["engines"]
             return bool(engine["running"] == 1 and engine["kv_usage"] >= 38 / KV_BLOCKS)
 
