@@ -35,6 +35,7 @@ from tests.integration.support import (
     REFERENCE_MAX_TOKENS,
     REFERENCE_PROMPTS,
     SMOL,
+    STALL_S,
     TINY,
     RunningFleet,
     free_port,
@@ -224,8 +225,10 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    """A client of the module's Redis, on an empty database."""
-    client = aioredis.Redis.from_url(redis_url)
+    """A client of the module's Redis, on an empty database. Its calls give up after
+    ``STALL_S``, as the services' own clients give up after theirs: a reply lost to a cancelled
+    call fails the test instead of hanging it (and the code under test's clean-up with it)."""
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=STALL_S, socket_connect_timeout=STALL_S)
     await client.flushdb()
     yield client
     await client.aclose()

@@ -289,6 +289,14 @@ def in_flight(fleet: RunningFleet) -> list[dict[str, Any]]:
     return list(state["requests"])
 
 
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled series ``name`` on ``url``'s ``/metrics`` (0 when absent)."""
+    for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def dispatched(fleet: RunningFleet) -> dict[str, float]:
     """Requests the router sent to each engine, from its Prometheus counter."""
     text = httpx.get(fleet.base_url + "/metrics", timeout=STALL_S).text

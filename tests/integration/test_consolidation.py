@@ -21,7 +21,7 @@ from shoal_router.core.rebalance import BalancePolicy, Lease, Rebalancer
 from shoal_router.core.scheduling import Ask, Scheduler
 from shoal_router.ipc.fleet import FleetView
 from shoal_router.metrics import RouterMetrics
-from tests.integration.support import free_port
+from tests.integration.support import STALL_S, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def _fleet(redis_client: aioredis.Redis) -> FleetView:
     return FleetView(redis_client, KEYS, lambda _: None, lambda *_: None)
 
 
-async def _until(what: str, check: object, timeout_s: float = 10.0) -> None:
+async def _until(what: str, check: object, timeout_s: float = STALL_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not await check():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, extra_router, models_frozen, wait_until
+from tests.integration.support import STALL_S, RunningFleet, extra_router, metric, models_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -41,11 +41,11 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
             running = threading.Thread(target=post, args=(url, "running"))
             running.start()
             wait_until(
-                lambda: _gauge(url, "shoal_router_requests_inflight") == 1, STALL_S, "a request to run"
+                lambda: metric(url, "shoal_router_requests_inflight") == 1, STALL_S, "a request to run"
             )
             waiting = threading.Thread(target=post, args=(url, "waiting"))
             waiting.start()
-            wait_until(lambda: _gauge(url, "shoal_router_requests_queued") == 1, STALL_S, "a request to wait")
+            wait_until(lambda: metric(url, "shoal_router_requests_queued") == 1, STALL_S, "a request to wait")
 
             started = time.monotonic()
             refused = _complete(url, tiny_fleet.model, 30)
@@ -69,10 +69,3 @@ def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFlee
         assert replies["running"].status_code == 200, replies["running"].text
         served = _complete(url, tiny_fleet.model, 60)
         assert served.status_code == 200, served.text
-
-
-def _gauge(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0

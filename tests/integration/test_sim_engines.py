@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import STALL_S, SimFleet, wait_until
+from tests.integration.support import STALL_S, SimFleet, metric, wait_until
 from tests.integration.support import sim_fleet as start_sim_fleet
 
 pytestmark = pytest.mark.integration
@@ -64,12 +64,7 @@ async def test_streams_through_the_router_complete_once_on_both_engines(sim_flee
 
 
 def _preemptions(engine_urls: list[str]) -> float:
-    total = 0.0
-    for url in engine_urls:
-        for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
-            if line.startswith("shoal_sim_preemptions_total "):
-                total += float(line.split()[1])
-    return total
+    return sum(metric(url, "shoal_sim_preemptions_total") for url in engine_urls)
 
 
 async def test_a_full_kv_cache_preempts_and_no_token_is_lost_or_repeated(sim_fleet: SimFleet) -> None:
@@ -82,13 +77,6 @@ async def test_a_full_kv_cache_preempts_and_no_token_is_lost_or_repeated(sim_fle
     alone = [await _stream(client, p, 300) for p in prompts[:2]]
     assert all(len(ids) == 300 for _, ids in crowded)
     assert [ids for _, ids in crowded[:2]] == [ids for _, ids in alone]
-
-
-def _router_sample(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=STALL_S).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
@@ -116,7 +104,7 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
         second = asyncio.create_task(_stream(client, list(range(3000, 3400)), 300))  # 25 blocks
         await asyncio.to_thread(
             wait_until,
-            lambda: _router_sample(fleet.url, "shoal_router_requests_held") == 1,
+            lambda: metric(fleet.url, "shoal_router_requests_held") == 1,
             STALL_S,
             "the second request to be held",
         )
@@ -125,9 +113,9 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
         assert await asyncio.to_thread(_engine_requests, fleet.engine_urls[0]) == 1
         (_, first_ids), (_, second_ids) = await asyncio.wait_for(asyncio.gather(first, second), STALL_S)
         assert len(first_ids) == 400 and len(second_ids) == 300
-        assert _router_sample(fleet.url, "shoal_router_requests_held") == 0
+        assert metric(fleet.url, "shoal_router_requests_held") == 0
         # It went out because the blocks came back, not because its wait ran out.
-        assert _router_sample(fleet.url, "shoal_router_hold_expired_total") == 0
+        assert metric(fleet.url, "shoal_router_hold_expired_total") == 0
 
 
 def _state(url: str) -> dict[str, Any]:
