@@ -283,10 +283,15 @@ def models_frozen(fleet: RunningFleet, engine_ids: Iterable[str]) -> Iterator[di
         yield {e: stack.enter_context(model_frozen(fleet, e)) for e in engine_ids}
 
 
+def fleet_state(router_url: str) -> dict[str, Any]:
+    """The router's ``/fleet/state``: its engines as it sees them, its requests in flight, ..."""
+    state: dict[str, Any] = httpx.get(router_url + "/fleet/state", timeout=STALL_S).json()
+    return state
+
+
 def in_flight(fleet: RunningFleet) -> list[dict[str, Any]]:
     """The requests the router lists as in flight on ``/fleet/state`` (id, engine, tokens, ...)."""
-    state: dict[str, Any] = httpx.get(fleet.base_url + "/fleet/state", timeout=STALL_S).json()
-    return list(state["requests"])
+    return list(fleet_state(fleet.base_url)["requests"])
 
 
 def metric(url: str, name: str) -> float:

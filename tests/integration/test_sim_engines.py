@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.integration.support import STALL_S, SimFleet, metric, wait_until
+from tests.integration.support import STALL_S, SimFleet, fleet_state, metric, wait_until
 from tests.integration.support import sim_fleet as start_sim_fleet
 
 pytestmark = pytest.mark.integration
@@ -97,7 +96,7 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
 
         def reported() -> bool:
             # The engine's load report shows the first request running, with its blocks.
-            (engine,) = _state(fleet.url)["engines"]
+            (engine,) = fleet_state(fleet.url)["engines"]
             return bool(engine["running"] == 1 and engine["kv_usage"] >= 38 / KV_BLOCKS)
 
         await asyncio.to_thread(wait_until, reported, STALL_S, "a load report with the first request")
@@ -116,11 +115,6 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
         assert metric(fleet.url, "shoal_router_requests_held") == 0
         # It went out because the blocks came back, not because its wait ran out.
         assert metric(fleet.url, "shoal_router_hold_expired_total") == 0
-
-
-def _state(url: str) -> dict[str, Any]:
-    state: dict[str, Any] = httpx.get(url + "/fleet/state", timeout=STALL_S).json()
-    return state
 
 
 def _engine_requests(url: str) -> int:
