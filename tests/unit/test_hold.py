@@ -16,7 +16,8 @@ from shoal_router.core.dispatch import EngineView
 from shoal_router.core.hold import HoldLine, HoldPolicy, freeness_after
 from shoal_router.core.scheduling import Ask, Scheduler
 from shoal_router.errors import NoEngineError
-from tests.unit.played_engines import MODEL, played_fleet, until
+from tests.integration.support import until
+from tests.unit.played_engines import MODEL, played_fleet
 
 BLOCKS = 1024
 _seq = itertools.count(1)
@@ -73,8 +74,9 @@ class Sent:
         return fail
 
 
-def line_over(views: list[EngineView], policy: HoldPolicy) -> HoldLine:
-    scheduler = Scheduler("least_load")
+def line_over(views: list[EngineView], policy: HoldPolicy, profile: str = "least_load") -> HoldLine:
+    """A line over ``views`` that picks engines as the router's ``Generation`` does."""
+    scheduler = Scheduler(profile)
 
     def pick(request: Ask) -> EngineView:
         view = scheduler.pick(request, views)
@@ -82,7 +84,7 @@ def line_over(views: list[EngineView], policy: HoldPolicy) -> HoldLine:
             raise NoEngineError(MODEL)
         return view
 
-    return HoldLine(policy, pick)
+    return HoldLine(policy, pick, lambda request: scheduler.roomiest(request, views))
 
 
 def offer(line: HoldLine, sent: Sent, name: str, prompt_tokens: int, now: float):  # type: ignore[no-untyped-def]
@@ -184,6 +186,44 @@ def test_a_zero_wait_never_holds() -> None:
     assert offer(line, sent, "a", 32, now=0.0) is None and sent.to == {"a": "e0"}
 
 
+def favourite(views: list[EngineView], prompt_tokens: int) -> str:
+    """The engine prefix affinity sends ``ask(prompt_tokens)`` to while every engine has room."""
+    view = Scheduler("prefix_affinity").pick(ask(prompt_tokens), views)
+    assert view is not None
+    return view.engine_id
+
+
+def test_a_request_whose_affinity_engine_is_short_goes_to_an_engine_with_room() -> None:
+    views = [engine("e0", running=10, used=100), engine("e1", running=10, used=100)]
+    home = favourite(views, 320)
+    other = next(v for v in views if v.engine_id != home)
+    report(next(v for v in views if v.engine_id == home), running=10, used=1000)  # as busy, no room
+    sent, line = Sent(), line_over(views, HoldPolicy(below=2.0, max_s=1.0), "prefix_affinity")
+    assert offer(line, sent, "a", 320, now=0.0) is None
+    assert sent.to == {"a": other.engine_id} and line.spilled == 1 and len(line) == 0
+
+
+def test_a_request_held_for_its_affinity_engine_goes_wherever_room_shows_first() -> None:
+    views = [engine("e0", running=20, used=1000), engine("e1", running=20, used=1000)]
+    home = favourite([engine("e0", 0, 0), engine("e1", 0, 0)], 320)
+    other = next(v for v in views if v.engine_id != home)
+    sent, line = Sent(), line_over(views, HoldPolicy(below=2.0, max_s=1.0), "prefix_affinity")
+    assert offer(line, sent, "a", 320, now=0.0) is not None
+    assert offer(line, sent, "b", 320, now=0.1) is not None
+    report(other, running=20, used=200)  # as busy as before (affinity still prefers home), with room
+    assert line.release(now=0.2) == 2
+    assert sent.to == {"a": other.engine_id, "b": other.engine_id} and line.spilled == 2
+
+
+def test_a_held_request_whose_wait_ran_out_goes_to_its_affinity_engine() -> None:
+    views = [engine("e0", running=20, used=1000), engine("e1", running=20, used=1000)]
+    home = favourite([engine("e0", 0, 0), engine("e1", 0, 0)], 320)
+    sent, line = Sent(), line_over(views, HoldPolicy(below=2.0, max_s=1.0), "prefix_affinity")
+    offer(line, sent, "a", 320, now=0.0)
+    assert line.release(now=1.0) == 1
+    assert sent.to == {"a": home} and line.expired == 1 and line.spilled == 0
+
+
 # ---- the router's Generation with a hold line --------------------------------------------------
 
 
@@ -254,4 +294,20 @@ async def test_the_router_sends_a_held_request_after_its_longest_wait_and_counts
         await asyncio.wait_for(poll(), 5)
         handle = starting.result()
         assert handle.dispatched and sample(gen, "shoal_router_hold_expired_total") == 1
+        handle.close()
+
+
+async def test_the_router_sends_a_request_past_its_short_favourite_and_counts_it() -> None:
+    async with played_fleet(
+        kv_blocks_total=BLOCKS, hold=HoldPolicy(below=2.0, max_s=30.0), scheduler=Scheduler("prefix_affinity")
+    ) as (gen, played):
+        prompt = list(range(64))
+        home = favourite(list(gen.fleet.engines.values()), len(prompt))
+        other = next(e for e in gen.fleet.engines if e != home)
+        report(gen.fleet.engines[home], running=10, used=1000)
+        report(gen.fleet.engines[other], running=10, used=100)
+        handle = await asyncio.wait_for(gen.start(MODEL, prompt, SamplingOptions(max_tokens=4)), 5)
+        assert (await played[other].next_add()).request_id == handle.request_id
+        assert sample(gen, "shoal_router_hold_spilled_total") == 1
+        assert sample(gen, "shoal_router_requests_held") == 0
         handle.close()

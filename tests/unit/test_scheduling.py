@@ -118,6 +118,16 @@ def test_least_load_prefers_fewer_requests_then_fewer_blocks() -> None:
     assert pick(scheduler, [view("a", running=1), view("b", running=None)]) == "b"
 
 
+@pytest.mark.parametrize("profile", ["round_robin", "prefix_affinity", "session_affinity", "least_load"])
+def test_the_roomiest_engine_is_the_freest_whatever_the_profile(profile: str) -> None:
+    scheduler = Scheduler(profile)
+    views = [view("a", running=2, kv_used=900), view("b", running=2, kv_used=100), view("c", running=9)]
+    assert scheduler.roomiest(ask(64, session="s"), views) is views[1]
+    # The filters still apply: an engine that failed the request is not the fallback.
+    assert scheduler.roomiest(ask(64, exclude={"b"}), views) is views[2]
+    assert scheduler.roomiest(ask(64), []) is None
+
+
 def test_free_memory_can_outweigh_a_request_more() -> None:
     """Llumnix's point: an engine nearly out of KV blocks is not the place for a new request even
     when it runs fewer of them (it would preempt soon)."""

@@ -11,8 +11,8 @@ simulation in which every part that decides is Shoal's own code:
   ``report_interval_s`` (the engines' report period) and told of each request sent in between,
   as the router's fleet poll and dispatch do;
 * with ``Fleet.hold``, a new request waits in the router's ``HoldLine`` while the engine it
-  would go to is short of KV, released at each load report as the router releases it after
-  each fleet poll;
+  would go to, and the engine with the most room, are short of KV, released at each load report
+  as the router releases it after each fleet poll;
 * balancing is the router's ``Balancer`` policy, checked every ``balance_interval_s``; the source
   engine picks the request to move as ``EngineService.cheapest_to_move`` does, and the move is
   timed as the migration protocol runs it: a prepare call (the target reserves the blocks or
@@ -225,7 +225,11 @@ class Simulation:
         self._report_seq = 0
         self._tracked: dict[str, _Tracked] = {}
         self._arrived = 0
-        self.held = HoldLine(fleet.hold, self._pick) if fleet.hold is not None else None
+        self.held = (
+            HoldLine(fleet.hold, self._pick, lambda ask: self.scheduler.roomiest(ask, self.views))
+            if fleet.hold is not None
+            else None
+        )
         self._left = workload.requests
         self.migrations = self.refused = 0
         self.stalls: list[float] = []

@@ -192,6 +192,12 @@ class RouterMetrics:
             "Held requests sent after their longest wait, to an engine still short of KV room.",
             registry=r,
         )
+        self.hold_spilled = Counter(
+            "shoal_router_hold_spilled",
+            "Requests sent to the engine with the most KV room because the one dispatch preferred "
+            "(prefix or session affinity, round robin) was short of it.",
+            registry=r,
+        )
         self.dispatched = Counter(
             "shoal_router_dispatched",
             "Requests sent to each engine, by the dispatch policy that chose it.",

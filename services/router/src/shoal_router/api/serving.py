@@ -68,7 +68,7 @@ class Generation:
         self.session_header = session_header
         self.inflight = 0
         # Requests waiting for an engine with KV room (``core.hold``); None: never held.
-        self.held = HoldLine(hold, self.pick) if hold is not None and hold.max_s > 0 else None
+        self.held = HoldLine(hold, self.pick, self.roomiest) if hold is not None and hold.max_s > 0 else None
 
     @property
     def router_id(self) -> str:
@@ -171,10 +171,11 @@ class Generation:
             if not sent.done():
                 sent.set_exception(exc)
 
+        spilled = self.held.spilled
         held = self.held.offer(handle.ask(), time.monotonic(), send, fail)
+        self._count_hold(self.held.expired, spilled)
         if held is None:
             return
-        self.metrics.held.set(len(self.held))
         try:
             await sent
         finally:
@@ -186,17 +187,27 @@ class Generation:
         each read of the fleet's load reports)."""
         if self.held is None or not len(self.held):
             return
-        expired = self.held.expired
+        expired, spilled = self.held.expired, self.held.spilled
         self.held.release(time.monotonic())
+        self._count_hold(expired, spilled)
+
+    def _count_hold(self, expired: int, spilled: int) -> None:
+        """The hold line's metrics, given its counts before what it just did."""
+        assert self.held is not None
         self.metrics.held.set(len(self.held))
         if self.held.expired != expired:
             self.metrics.hold_expired.inc(self.held.expired - expired)
+        if self.held.spilled != spilled:
+            self.metrics.hold_spilled.inc(self.held.spilled - spilled)
 
     def pick(self, ask: Ask) -> EngineView:
         view = self.scheduler.pick(ask, self.fleet.engines_for(ask.model))
         if view is None:
             raise NoEngineError(ask.model)
         return view
+
+    def roomiest(self, ask: Ask) -> EngineView | None:
+        return self.scheduler.roomiest(ask, self.fleet.engines_for(ask.model))
 
 
 class GenerationHandle:

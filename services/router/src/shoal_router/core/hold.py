@@ -6,9 +6,10 @@ newest of them and recomputes it later, and the fleet's decode latency takes the
 fleet benchmark at the highest rate 16 engines sustain, half of the fleet's preemptions
 happened with less than 4% of its KV free. The router sees every engine's freeness (Llumnix's
 KV blocks left per batch slot, ``EngineView.free``), so it can do better than the engines
-alone: while the engine dispatch would pick has less than ``below`` blocks per slot left once
-the request's prompt is counted, the request waits at the router, first come first served,
-and goes out as soon as a load report shows room, or after ``max_s`` at most. The wait is
+alone: while the engine dispatch would pick, and the engine with the most room as well, have less
+than ``below`` blocks per slot left once the request's prompt is counted, the request waits at
+the router, first come first served, and goes out as soon as a load report shows room, or after
+``max_s`` at most. The wait is
 bounded so that a fleet that stays full still serves (its engines queue as before), and a
 request never waits longer than a client would notice against its time to first token.
 
@@ -74,17 +75,42 @@ class HoldLine:
     """The requests held, first come first served.
 
     ``pick`` is dispatch's choice of engine for a request (it may raise, when no engine serves
-    the model). A request is sent when it reaches the head of the line and the picked engine has
-    room, or once it has waited ``policy.max_s``. Nobody overtakes: a request that arrives while
-    others wait joins the line behind them, even if it would fit.
+    the model). When that engine is short of room, ``spill`` (if given) names the engine with
+    the most room, and the request goes there if it has enough: dispatch may prefer an engine
+    for other reasons than room (the one whose prefix cache holds the prompt, a session's
+    engine, the next in turn), and a request waits only while no engine has room for it, not
+    for its favourite. A request is sent when it reaches the head of the line and an engine has
+    room, or once it has waited ``policy.max_s`` (to the picked engine). Nobody overtakes: a
+    request that arrives while others wait joins the line behind them, even if it would fit.
     """
 
-    def __init__(self, policy: HoldPolicy, pick: Callable[[Ask], EngineView]) -> None:
+    def __init__(
+        self,
+        policy: HoldPolicy,
+        pick: Callable[[Ask], EngineView],
+        spill: Callable[[Ask], EngineView | None] | None = None,
+    ) -> None:
         self.policy = policy
         self._pick = pick
+        self._spill = spill
         self._line: deque[Held] = deque()
         self.expired = 0
         """Requests sent because their wait ran out, not because room showed up."""
+        self.spilled = 0
+        """Requests sent to the engine with the most room, their picked engine being short."""
+
+    def _choose(self, ask: Ask) -> tuple[EngineView, bool]:
+        """The engine for ``ask`` and whether it has room: the picked engine, or the roomiest
+        when only that one has room."""
+        view = self._pick(ask)
+        if self.policy.room(view, ask):
+            return view, True
+        if self._spill is not None:
+            other = self._spill(ask)
+            if other is not None and other is not view and self.policy.room(other, ask):
+                self.spilled += 1
+                return other, True
+        return view, False
 
     def __len__(self) -> int:
         return len(self._line)
@@ -100,8 +126,11 @@ class HoldLine:
         is called before this returns, and None returned); else it joins the line, which is
         returned (``leave`` takes it out). An exception from ``pick`` propagates."""
         if not self._line:
-            view = self._pick(ask)
-            if self.policy.max_s <= 0 or self.policy.room(view, ask):
+            if self.policy.max_s <= 0:
+                send(self._pick(ask))
+                return None
+            view, fits = self._choose(ask)
+            if fits:
                 send(view)
                 return None
         held = Held(ask, now, send, fail)
@@ -122,12 +151,11 @@ class HoldLine:
         while line:
             held = line[0]
             try:
-                view = self._pick(held.ask)
+                view, fits = self._choose(held.ask)
             except Exception as exc:  # no engine serves the model any more
                 line.popleft().out = True
                 held.fail(exc)
                 continue
-            fits = policy.room(view, held.ask)
             if not fits and now - held.since < policy.max_s:
                 break
             line.popleft().out = True

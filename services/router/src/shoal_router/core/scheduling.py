@@ -295,6 +295,16 @@ class Scheduler:
         best = max(total(v) for v in contenders)
         return self._draw([v for v in contenders if total(v) >= best - 1e-12])
 
+    def roomiest(self, ask: Ask, views: list[EngineView]) -> EngineView | None:
+        """The engine with the most KV room per batch slot (the highest freeness) among those
+        the filters keep, whatever the profile's scorers prefer; None when none is left. Of
+        equal engines the first: a fallback draws nothing from the picker's random numbers."""
+        for keep in self.filters:
+            views = keep(ask, views)
+            if not views:
+                return None
+        return max(views, key=freeness)
+
     def _draw(self, tied: list[EngineView]) -> EngineView:
         """One of equally good engines, at random (equal engines share the load)."""
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
