@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import os
 import random
@@ -13,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,23 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every
         time.sleep(every_s)
 
 
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]], timeout_s: float = STALL_S, what: str = "a condition"
+) -> None:
+    """``wait_until`` for a test's event loop: the loop runs on while it waits. ``condition`` may
+    be a coroutine function."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        met = condition()
+        if inspect.isawaitable(met):
+            met = await met
+        if met:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
 @dataclass
 class RunningFleet:
     fleet: Fleet
@@ -257,6 +276,10 @@ class RunningFleet:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+MODEL_SLICE_S = 0.02
+"""How long ``run_models_until`` lets frozen models run between two looks."""
+
+
 @contextlib.contextmanager
 def model_frozen(fleet: RunningFleet, engine_id: str) -> Iterator[EngineRecord]:
     """The engine's model processes (vLLM's engine core, under its front end) stopped for the
@@ -281,6 +304,30 @@ def models_frozen(fleet: RunningFleet, engine_ids: Iterable[str]) -> Iterator[di
     """``model_frozen`` for several engines at once; yields their records by engine id."""
     with contextlib.ExitStack() as stack:
         yield {e: stack.enter_context(model_frozen(fleet, e)) for e in engine_ids}
+
+
+def run_models_until(
+    fleet: RunningFleet, engine_ids: Iterable[str], condition: Callable[[], bool], timeout_s: float, what: str
+) -> None:
+    """Inside ``models_frozen``: let the engines' models run ``MODEL_SLICE_S`` at a time until
+    ``condition`` holds, checked while they are stopped. A test that must act on requests half
+    done (kill their engine, drain it) starts them frozen and runs them this way, so a model that
+    decodes a whole request in seconds cannot finish them while a loaded machine keeps the test
+    from looking; the block goes on with the models stopped."""
+    cores = []
+    for engine_id in engine_ids:
+        record = fleet.engine_record(engine_id)
+        assert record is not None, f"{engine_id} is not registered"
+        cores.extend(psutil.Process(record.pid).children(recursive=True))
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        for process in cores:
+            process.resume()
+        time.sleep(MODEL_SLICE_S)
+        for process in cores:
+            process.suspend()
 
 
 def fleet_state(router_url: str) -> dict[str, Any]:

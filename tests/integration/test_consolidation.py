@@ -21,7 +21,7 @@ from shoal_router.core.rebalance import BalancePolicy, Lease, Rebalancer
 from shoal_router.core.scheduling import Ask, Scheduler
 from shoal_router.ipc.fleet import FleetView
 from shoal_router.metrics import RouterMetrics
-from tests.integration.support import STALL_S, free_port
+from tests.integration.support import STALL_S, free_port, until
 
 pytestmark = pytest.mark.integration
 
@@ -54,13 +54,6 @@ def _fleet(redis_client: aioredis.Redis) -> FleetView:
     return FleetView(redis_client, KEYS, lambda _: None, lambda *_: None)
 
 
-async def _until(what: str, check: object, timeout_s: float = STALL_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dispatching_there(
     redis_client: aioredis.Redis,
 ) -> None:
@@ -85,7 +78,7 @@ async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dis
         asyncio.create_task(rebalancer.run_forever()),
     ]
     try:
-        await _until("the emptying mark on b", lambda: redis_client.exists(KEYS.emptying("b")))
+        await until(lambda: redis_client.exists(KEYS.emptying("b")), STALL_S, "the emptying mark on b")
         assert 0 < await redis_client.pttl(KEYS.emptying("b")) <= 3000
         assert await redis_client.get(KEYS.emptying("b")) == b"router-0"
         assert not await redis_client.exists(KEYS.emptying("a"))
@@ -106,7 +99,7 @@ async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dis
         async def asked() -> bool:
             return consolidations_failed() >= 1
 
-        await _until("a consolidation move", asked)
+        await until(asked, STALL_S, "a consolidation move")
         assert metrics.emptying._value.get() == 1
 
         # The load climbs past the release point over a and c: b goes back to dispatch.
@@ -116,7 +109,7 @@ async def test_the_leader_empties_the_lightest_engine_and_every_router_stops_dis
         async def released() -> bool:
             return not await redis_client.exists(KEYS.emptying("b"))
 
-        await _until("the mark to go", released)
+        await until(released, STALL_S, "the mark to go")
         await other_view.refresh()
         assert other_view.engines["b"].state == "ACTIVE" and other_view.engines["b"].dispatchable
     finally:
@@ -146,7 +139,7 @@ async def test_a_leader_that_stops_takes_its_marks_with_it(redis_client: aioredi
         return len(await redis_client.keys(KEYS.emptying("*"))) == 3
 
     try:
-        await _until("three engines marked (the last one stays)", three_marked)
+        await until(three_marked, STALL_S, "three engines marked (the last one stays)")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -24,6 +24,7 @@ from tests.integration.support import (
     in_flight,
     model_frozen,
     models_frozen,
+    run_models_until,
     wait_until,
 )
 
@@ -199,29 +200,30 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
                 return True
             return sum(r["tokens"] >= 1 for r in in_flight(tiny_fleet)) >= 4
 
-        wait_until(four_have_tokens, 180, "four streams with tokens")
-        # The tiny model decodes a whole stream in a few seconds, so a request counted as
-        # running could finish between the count and the kill. Freeze vLLM's processes under both
-        # engines first: a request an engine still counts then cannot finish (short of its last
-        # step's output already being on its way), and the kill meets it running.
+        # The tiny model decodes a whole stream in a few seconds, faster than this process may
+        # look on a loaded machine. The streams start with vLLM's processes under both engines
+        # frozen (the caller's block), which run in short slices until four streams have
+        # tokens: a request an engine then counts cannot finish (short of its last step's
+        # output already being on its way), and the kill meets it running.
+        run_models_until(tiny_fleet, records, four_have_tokens, 180, "four streams with tokens")
         victim = ""
-        with models_frozen(tiny_fleet, records):
-            for engine_id, record in records.items():
-                health = httpx.get(record.http_address + "/health", timeout=STALL_S).json()
-                busy_at_kill[engine_id] = int(health.get("requests", 0))
-            busiest = max(busy_at_kill, key=lambda e: busy_at_kill[e])
-            if busy_at_kill[busiest]:  # else every stream finished first: the caller tries again
-                victim = busiest
-                _kill_engine(records[victim].pid)
+        for engine_id, record in records.items():
+            health = httpx.get(record.http_address + "/health", timeout=STALL_S).json()
+            busy_at_kill[engine_id] = int(health.get("requests", 0))
+        busiest = max(busy_at_kill, key=lambda e: busy_at_kill[e])
+        if busy_at_kill[busiest]:  # else every stream finished first: the caller tries again
+            victim = busiest
+            _kill_engine(records[victim].pid)
         return victim
 
     resumed_before = _resumed(tiny_fleet)
-    for _ in range(6):  # the tiny engines can finish every stream before this process acts
+    for _ in range(6):  # a stream may still end within one slice of the models' run
         with_tokens.clear()
         every_stream_has_tokens.clear()
         async with httpx.AsyncClient(timeout=120) as http:
-            tasks = [asyncio.create_task(long_stream(http, i)) for i in range(4)]
-            victim = await asyncio.to_thread(kill_a_busy_engine)
+            with models_frozen(tiny_fleet, records):
+                tasks = [asyncio.create_task(long_stream(http, i)) for i in range(4)]
+                victim = await asyncio.to_thread(kill_a_busy_engine)
             results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
         if victim:
             break
@@ -262,23 +264,27 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     killed: list[float] = []
 
     def kill_the_last_engine() -> int:
-        """On a thread, as above: once the stream has tokens, freeze the engine's model, and kill
-        the engine if the request is still there (it may have finished while this process was
-        not scheduled; then the caller tries again with a new stream)."""
-        assert some_stream_has_tokens.wait(180), "the last stream got no tokens"
-        with model_frozen(tiny_fleet, survivor):
-            health = httpx.get(records[survivor].http_address + "/health", timeout=STALL_S).json()
-            busy = int(health["requests"])
-            if busy:
-                _kill_engine(records[survivor].pid)
-                killed.append(time.monotonic())
+        """On a thread, as above: the engine's model, frozen by the caller, runs in slices until
+        the stream has tokens; the engine is killed if the request is still there (else the
+        caller tries again with a new stream)."""
+
+        def has_tokens() -> bool:
+            return some_stream_has_tokens.is_set() or any(r["tokens"] >= 1 for r in in_flight(tiny_fleet))
+
+        run_models_until(tiny_fleet, [survivor], has_tokens, 180, "the last stream's tokens")
+        health = httpx.get(records[survivor].http_address + "/health", timeout=STALL_S).json()
+        busy = int(health["requests"])
+        if busy:
+            _kill_engine(records[survivor].pid)
+            killed.append(time.monotonic())
         return busy
 
     for attempt in range(6):
         some_stream_has_tokens.clear()
         async with httpx.AsyncClient(timeout=120) as http:
-            last_stream = asyncio.create_task(long_stream(http, 4 + attempt))
-            busy = await asyncio.to_thread(kill_the_last_engine)
+            with model_frozen(tiny_fleet, survivor):
+                last_stream = asyncio.create_task(long_stream(http, 4 + attempt))
+                busy = await asyncio.to_thread(kill_the_last_engine)
             ended, _ = await asyncio.wait_for(last_stream, timeout=120)
         if busy:
             break

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -28,6 +28,7 @@ from shoal_protos.records import (
     state_client,
 )
 from tests.integration.support import redis_server as run_redis
+from tests.integration.support import until
 
 pytestmark = pytest.mark.integration
 
@@ -40,13 +41,6 @@ INTERVAL_S = 0.05
 def redis_server() -> Iterator[subprocess.Popen[bytes]]:
     with run_redis(PORT) as proc:
         yield proc
-
-
-async def _until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 class _Reports:
@@ -126,7 +120,7 @@ async def test_heartbeat_survives_a_failing_report(heartbeat: Heartbeat) -> None
     async def went_on() -> bool:
         return reports.calls > calls + 5
 
-    await _until(went_on, 5.0, "reports after the failures")
+    await until(went_on, 5.0, "reports after the failures")
     assert reports.fail_next == 0
     assert await client.pttl(keys.engine("engine-hb")) > 0
 
@@ -140,7 +134,7 @@ async def test_expired_record_is_written_again(heartbeat: Heartbeat) -> None:
         record = await _record(client, keys)
         return record is not None and bool(await client.sismember(keys.engines, "engine-hb"))
 
-    await _until(back, 5.0, "the engine to register again")
+    await until(back, 5.0, "the engine to register again")
 
 
 async def test_index_entry_removed_while_the_record_lives_comes_back(heartbeat: Heartbeat) -> None:
@@ -153,7 +147,7 @@ async def test_index_entry_removed_while_the_record_lives_comes_back(heartbeat: 
     async def indexed() -> bool:
         return bool(await client.sismember(keys.engines, "engine-hb"))
 
-    await _until(indexed, 5.0, "the heartbeat to index the engine again")
+    await until(indexed, 5.0, "the heartbeat to index the engine again")
 
 
 async def test_heartbeat_resumes_after_redis_froze(
@@ -178,7 +172,7 @@ async def test_heartbeat_resumes_after_redis_froze(
             raw = await checker.get(keys.load("engine-hb"))
             return raw is not None and await checker.pttl(keys.engine("engine-hb")) > 0
 
-        await _until(fresh, 5.0, "heartbeats to resume")
+        await until(fresh, 5.0, "heartbeats to resume")
         assert time.monotonic() - frozen_at < 3 * TTL_S + 5.0
         record = await _record(checker, keys)
         assert record is not None and record.state == EngineState.ACTIVE

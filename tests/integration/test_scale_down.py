@@ -13,6 +13,7 @@ for the tests after this one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -28,7 +29,17 @@ from shoal_operator.drain import Drained, GrpcDrainer
 from shoal_operator.scale import EngineLoad, Leaving
 from shoal_operator.spec import InferenceClusterSpec
 
-from tests.integration.support import GREEDY_IDS, STALL_S, RunningFleet, async_client, greedy_ids, wait_until
+from shoal_protos.records import EngineRecord
+from tests.integration.support import (
+    GREEDY_IDS,
+    STALL_S,
+    RunningFleet,
+    async_client,
+    greedy_ids,
+    model_frozen,
+    until,
+    wait_until,
+)
 from tests.integration.test_migration import _agree
 
 pytestmark = pytest.mark.integration
@@ -76,6 +87,15 @@ def _running_pod(name: str) -> dict[str, Any]:
     """The engine's pod as the API server would list it: running and ready."""
     status = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
     return {"metadata": {"name": name}, "status": status}
+
+
+async def _ask_drain(asked_by: str, cluster: Cluster, record: EngineRecord) -> Drained:
+    """Drain the engine the way ``asked_by`` names: the operator's drainer, or the pod's hook."""
+    if asked_by == "operator":
+        drainer = GrpcDrainer(rejoin_after_s=REJOIN_AFTER_S)
+        (drained,) = await drainer.drain(cluster, [Leaving(record.engine_id, record.control_address)])
+        return drained
+    return await _prestop_drain(record.http_address, record.engine_id)
 
 
 async def _prestop_drain(http_address: str, pod: str) -> Drained:
@@ -177,25 +197,45 @@ async def _drain_while_streaming(
     await asyncio.wait_for(started.wait(), 120)
     assert set(on.values()) == set(engines), on  # the router spreads six streams over both engines
 
-    # The operator's choice: the engines' own load reports, read from Redis as the operator
-    # reads them, once both report the streams they run. The engine id is the pod's name.
-    loads = await _reported_loads(fleet, engines, tasks, 30.0)
-    drained = None
-    if loads is not None:
-        pods = [_running_pod(engine) for engine in engines]
-        (chosen,) = scale.choose(pods, loads, 1)
-        victim = chosen["metadata"]["name"]
-        requests = {e: loads[e].running + loads[e].waiting for e in engines}
-        assert requests[victim] == min(requests.values()), (victim, loads)
-        record = fleet.engine_record(victim)
-        assert record is not None and record.control_address
-        drainer = GrpcDrainer(rejoin_after_s=REJOIN_AFTER_S)
-        asked_at = time.monotonic()
-        if asked_by == "operator":
-            (drained,) = await drainer.drain(cluster, [Leaving(victim, record.control_address)])
-        else:
-            drained = await _prestop_drain(record.http_address, victim)
-        drained_at = time.monotonic()
+    # Both models are held still from here (every stream has had its first token, so each engine
+    # has run a step with its streams and reports them) until the drain has taken the leaving
+    # engine out of the rotation, which it does before it lists the requests to move: on a
+    # loaded machine the streams could otherwise end while the drain is on its way. The other
+    # engine runs again once the victim is chosen, to take the moves.
+    frozen = {e: contextlib.ExitStack() for e in engines}
+    drained: Drained | None = None
+    try:
+        for engine_id, stack in frozen.items():
+            stack.enter_context(model_frozen(fleet, engine_id))
+        # The operator's choice: the engines' own load reports, read from Redis as the operator
+        # reads them, once both report the streams they run. The engine id is the pod's name.
+        loads = await _reported_loads(fleet, engines, tasks, 30.0)
+        if loads is not None:
+            pods = [_running_pod(engine) for engine in engines]
+            (chosen,) = scale.choose(pods, loads, 1)
+            victim = chosen["metadata"]["name"]
+            requests = {e: loads[e].running + loads[e].waiting for e in engines}
+            assert requests[victim] == min(requests.values()), (victim, loads)
+            record = fleet.engine_record(victim)
+            assert record is not None and record.control_address
+            for engine_id in engines:
+                if engine_id != victim:
+                    frozen[engine_id].close()
+            drain = asyncio.create_task(_ask_drain(asked_by, cluster, record))
+
+            def draining() -> bool:
+                now = fleet.engine_record(victim)
+                return now is not None and now.state == "DRAINING"
+
+            asked_at = time.monotonic()
+            await until(lambda: draining() or drain.done(), STALL_S, f"{victim} leaving the rotation")
+            frozen[victim].close()
+            drained = await drain
+            drained_at = time.monotonic()
+    finally:
+        for stack in frozen.values():
+            stack.close()
+    if drained is not None:
         # Out of the rotation and empty: nothing new reaches it, nothing runs on it.
         assert drained.error == "" and drained.remaining == 0, drained
         record = fleet.engine_record(victim)

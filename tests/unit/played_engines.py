@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,14 +54,6 @@ class PlayedEngine:
             self.push.connect(reply_to)
         body = msgspec.msgpack.encode(OutputBatch(self.engine_id, 0, list(pieces)))
         await self.push.send_multipart([b"\x02", body])
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait for ``condition`` (checked every 10 ms) for at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager

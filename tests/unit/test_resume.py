@@ -27,7 +27,8 @@ from shoal_protos.messages import (
 from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
 from shoal_router.errors import EngineFailedError, NoEngineError
-from tests.unit.played_engines import MODEL, PlayedEngine, played_fleet, until
+from tests.integration.support import until
+from tests.unit.played_engines import MODEL, PlayedEngine, played_fleet
 
 
 @pytest.fixture
