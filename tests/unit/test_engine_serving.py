@@ -48,6 +48,7 @@ class FakeBackend:
         self.started: dict[str, asyncio.Event] = {}
         self.generate_calls: list[tuple[str, list[int], SamplingOptions]] = []
         self.priorities: dict[str, int] = {}
+        self.produced: dict[str, int] = {}
         self.cancelled: list[str] = []
 
     def _queue(self, request_id: str) -> asyncio.Queue[object]:
@@ -71,8 +72,10 @@ class FakeBackend:
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
         priority: int = 0,
+        produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         self.generate_calls.append((request_id, prompt_token_ids, sampling))
+        self.produced[request_id] = produced
         self.priorities[request_id] = priority
         queue = self._queue(request_id)
         started = self._started(request_id)
@@ -583,6 +586,8 @@ async def test_a_move_waits_for_a_migrated_in_request_to_produce_here(
     arrived = msgspec.structs.replace(add("arrived"), output_token_ids=[7, 8])
     service.start(arrived)
     await backend.wait_started("arrived")
+    # The backend continues after the outputs it brought, and knows they are the request's own.
+    assert backend.generate_calls[-1][1][-2:] == [7, 8] and backend.produced["arrived"] == 2
     assert not await service.wait_output_here("arrived", 0.05)
     waiting = asyncio.create_task(service.wait_output_here("arrived", WAIT_S))
     await asyncio.sleep(0)

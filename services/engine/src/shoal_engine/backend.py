@@ -58,11 +58,14 @@ class EngineBackend(Protocol):
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
         priority: int = 0,
+        produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         """Stream a request's output. Cancelling the iteration, or closing the stream early,
         aborts the request.
         ``kv_params`` are for the KV connector (a migrated request's staged KV); ``priority``
-        orders requests where the backend schedules by priority (lower first)."""
+        orders requests where the backend schedules by priority (lower first); ``produced``:
+        the last ``produced`` tokens of ``prompt_token_ids`` are the request's own output so
+        far (it resumes here), whose text was shown up to the stop strings' held-back part."""
         ...
 
     def load(self) -> BackendLoad:

@@ -309,7 +309,9 @@ class EngineService:
             sampling = msgspec.structs.replace(
                 sampling, max_tokens=sampling.max_tokens - len(add.output_token_ids)
             )
-        stream = self._backend.generate(add.request_id, prompt, sampling, running.kv_params, add.priority)
+        stream = self._backend.generate(
+            add.request_id, prompt, sampling, running.kv_params, add.priority, len(add.output_token_ids)
+        )
         async for out in stream:
             piece = RequestPiece(
                 add.request_id,

@@ -405,9 +405,11 @@ class SimulatedBackend:
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
         priority: int = 0,
+        produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         # ``priority`` is not used: the simulated batch admits first come, first served, as
-        # vLLM's FCFS policy does. ``kv_params`` can only bring a migration's staged KV.
+        # vLLM's FCFS policy does; nor ``produced`` (its text holds nothing back). ``kv_params``
+        # can only bring a migration's staged KV.
         load = (kv_params or {}).get("load")
         if kv_params and not isinstance(load, dict):
             raise BackendRequestError("the simulated engine takes only a migration's staged KV")

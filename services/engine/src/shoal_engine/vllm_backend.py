@@ -14,6 +14,8 @@ import os
 import time
 from collections.abc import AsyncGenerator
 
+from tokenizers import Tokenizer
+from transformers import TokenizersBackend
 from vllm import SamplingParams, TokensPrompt
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -34,6 +36,7 @@ from shoal_engine.backend import (
     BackendRequestError,
 )
 from shoal_engine.config import EngineConfig
+from shoal_engine.detokenize import OutputText, StopStrings
 from shoal_engine.kv.connector import PARAMS_KEY
 from shoal_protos.messages import FinishReason, SamplingOptions
 
@@ -83,16 +86,19 @@ class _LoadRecorder(StatLoggerBase):
         logger.info("vLLM engine ready with %d KV blocks", blocks)
 
 
-def to_sampling_params(options: SamplingOptions) -> SamplingParams:
+def to_sampling_params(options: SamplingOptions, detokenize: bool = True) -> SamplingParams:
+    """vLLM's parameters for ``options``. ``detokenize=False``: token ids only, the text and
+    the stop strings are the engine's own (``shoal_engine.detokenize``)."""
     return SamplingParams(
         max_tokens=options.max_tokens,
         temperature=options.temperature,
         top_p=options.top_p,
         top_k=options.top_k,
         seed=options.seed,
-        stop=list(options.stop) or None,
+        stop=(list(options.stop) or None) if detokenize else None,
         stop_token_ids=list(options.stop_token_ids) or None,
         ignore_eos=options.ignore_eos,
+        detokenize=detokenize,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -102,6 +108,8 @@ class VllmBackend:
         self._config = config
         self._load = BackendLoad()
         self._llm: AsyncLLM | None = None
+        # The fast tokenizer's own, for ``OutputText``; None: vLLM detokenizes.
+        self._tokenizer: Tokenizer | None = None
 
     async def start(self) -> BackendInfo:
         if self._config.tcmalloc and current_platform.is_cpu():
@@ -126,6 +134,11 @@ class VllmBackend:
         )
         load = self._load
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)])
+        tokenizer = self._llm.tokenizer
+        if isinstance(tokenizer, TokenizersBackend):
+            self._tokenizer = tokenizer.backend_tokenizer
+        else:
+            logger.info("the model's tokenizer is not a fast one: vLLM detokenizes every request")
         vllm_config = self._llm.vllm_config
         self._load.kv_blocks_total = vllm_config.cache_config.num_gpu_blocks or 0
         return BackendInfo(
@@ -140,6 +153,7 @@ class VllmBackend:
         sampling: SamplingOptions,
         kv_params: dict[str, object] | None = None,
         priority: int = 0,
+        produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         assert self._llm is not None, "start() first"
         # vLLM refuses a priority unless it schedules by priority; under FCFS the router-side
@@ -147,8 +161,15 @@ class VllmBackend:
         priority = priority if self._config.scheduling_policy == "priority" else 0
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         try:
+            # The text and the stop strings are this engine's (``detokenize``), from the end of
+            # the context; vLLM's own only for a tokenizer that is not a fast one.
+            tokenizer = self._tokenizer
+            text = OutputText(tokenizer, prompt_token_ids) if tokenizer is not None else None
+            stops = None
+            if tokenizer is not None and sampling.stop:
+                stops = StopStrings.resumed(sampling.stop, tokenizer, prompt_token_ids, produced)
             # SamplingParams validates its values: a ValueError here is the request's fault.
-            params = to_sampling_params(sampling)
+            params = to_sampling_params(sampling, detokenize=text is None)
             if self._config.migration:
                 # The KV connector knows requests by Shoal's id (vLLM adds a suffix to its own).
                 shoal = {"id": request_id, **(kv_params or {})}
@@ -158,11 +179,27 @@ class VllmBackend:
                 async for out in outputs:
                     completion = out.outputs[0]
                     reason = completion.finish_reason
+                    token_ids = list(completion.token_ids)
+                    if text is None:
+                        yield BackendOutput(
+                            token_ids, completion.text, _FINISH_REASONS.get(reason) if reason else None,
+                            completion.stop_reason,
+                        )  # fmt: skip
+                        continue
+                    new_text = text.add(token_ids, reason == "stop")
+                    if stops is not None:
+                        new_text, matched = stops.add(new_text)
+                        if matched is not None:
+                            # Leaving the loop closes vLLM's stream: it stops the request.
+                            yield BackendOutput(token_ids, new_text, FinishReason.STOP, matched)
+                            break
+                        if reason is not None:
+                            new_text += stops.flush()
                     yield BackendOutput(
-                        token_ids=list(completion.token_ids),
-                        text=completion.text,
-                        finish_reason=_FINISH_REASONS.get(reason) if reason else None,
-                        stop_reason=completion.stop_reason,
+                        token_ids,
+                        new_text,
+                        _FINISH_REASONS.get(reason) if reason else None,
+                        completion.stop_reason,
                     )
             finally:
                 # Closing this stream early closes vLLM's at once, which aborts the request
