@@ -83,16 +83,14 @@ def tokenizer(request: pytest.FixtureRequest) -> Tokenizer:
     return built
 
 
-def test_the_text_shown_is_a_whole_decodes_after_every_piece_wherever_the_context_ends(
-    tokenizer: Tokenizer,
-) -> None:
-    ids = tokenizer.encode(" ".join(CORPUS * 4)).ids
-    assert len(ids) > 4 * PRIME_TOKENS
+def check_every_cut(tokenizer: Tokenizer, ids: list[int], outputs: int) -> int:
+    """Run ``OutputText`` over ``outputs`` tokens after every cut of ``ids`` (some inside a
+    character's bytes, some inside words), in pieces of one to three tokens, and check the text;
+    returns how many contexts ended on a whole character."""
     rng = random.Random(0)
     clean_cuts = 0
-    # Every cut, so that some fall inside a character's bytes and inside words.
-    for cut in range(1, len(ids) - 24):
-        context, rest = ids[:cut], ids[cut : cut + 24]
+    for cut in range(1, len(ids) - outputs):
+        context, rest = ids[:cut], ids[cut : cut + outputs]
         pieces = steps(rng, rest)
         text = OutputText(tokenizer, context)
         got, done = [], 0
@@ -110,6 +108,15 @@ def test_the_text_shown_is_a_whole_decodes_after_every_piece_wherever_the_contex
             assert "".join(got).startswith(theirs), cut
             if not truth(tokenizer, context, rest).endswith(INCOMPLETE):
                 assert "".join(got) == theirs, cut
+    return clean_cuts
+
+
+def test_the_text_shown_is_a_whole_decodes_after_every_piece_wherever_the_context_ends(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = tokenizer.encode(" ".join(CORPUS * 4)).ids
+    assert len(ids) > 4 * PRIME_TOKENS
+    clean_cuts = check_every_cut(tokenizer, ids, 24)
     assert clean_cuts > 100
 
 
