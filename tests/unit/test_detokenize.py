@@ -176,6 +176,8 @@ def test_stop_strings_hold_back_what_could_start_one_and_end_at_the_first_in_the
     assert stops.add("Dxyz\n\n") == ("", "END")  # nothing after the match shows, nor the match
     other = StopStrings(["\n\n", "END"])
     assert other.add("x\n\nEND") == ("x", "\n\n")  # the list's order, as vLLM's
+    with pytest.raises(ValueError, match="must not be empty"):
+        StopStrings(["END", ""])  # as vLLM refuses it: the request's fault
     last = StopStrings(["END"])
     assert last.add("no stop here") == ("no stop he", None)
     assert last.flush() == "re" and last.flush() == ""

@@ -113,6 +113,8 @@ class StopStrings:
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
+        if not stops or not all(stops):
+            raise ValueError("stop strings must not be empty")
         self._stops = list(stops)
         self.keep = max(len(stop) for stop in self._stops) - 1
         self._pending = ""
