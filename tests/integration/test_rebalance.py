@@ -36,7 +36,9 @@ from tests.integration.test_migration import _agree
 
 pytestmark = pytest.mark.integration
 
-STREAMS_B, STREAMS_A, MAX_TOKENS = 6, 2, 240
+# Streams long enough to outlast a stall of the machine of several seconds (Redis reads time out,
+# load reports go stale) and still leave the leader time to see the crowded engine and move.
+STREAMS_B, STREAMS_A, MAX_TOKENS = 6, 2, 400
 
 
 async def test_one_leader_at_a_time_and_a_successor_after_expiry() -> None:
