@@ -180,13 +180,7 @@ class VllmBackend:
                     completion = out.outputs[0]
                     reason = completion.finish_reason
                     token_ids = list(completion.token_ids)
-                    if text is None:
-                        yield BackendOutput(
-                            token_ids, completion.text, _FINISH_REASONS.get(reason) if reason else None,
-                            completion.stop_reason,
-                        )  # fmt: skip
-                        continue
-                    new_text = text.add(token_ids, reason == "stop")
+                    new_text = completion.text if text is None else text.add(token_ids, reason == "stop")
                     if stops is not None:
                         new_text, matched = stops.add(new_text)
                         if matched is not None:

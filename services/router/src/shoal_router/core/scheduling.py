@@ -257,12 +257,19 @@ class Scheduler:
             else:
                 self.affinities.append((Affinity(session_key), weight))
 
-    def pick(self, ask: Ask, views: list[EngineView]) -> EngineView | None:
-        """The engine for ``ask`` among ``views`` (None: no engine can take it)."""
+    def _kept(self, ask: Ask, views: list[EngineView]) -> list[EngineView]:
+        """The engines every filter keeps for ``ask`` (empty: none can take it)."""
         for keep in self.filters:
             views = keep(ask, views)
             if not views:
-                return None
+                break
+        return views
+
+    def pick(self, ask: Ask, views: list[EngineView]) -> EngineView | None:
+        """The engine for ``ask`` among ``views`` (None: no engine can take it)."""
+        views = self._kept(ask, views)
+        if not views:
+            return None
         if len(views) == 1:
             return views[0]
         if self._round_robin is not None:
@@ -299,11 +306,8 @@ class Scheduler:
         """The engine with the most KV room per batch slot (the highest freeness) among those
         the filters keep, whatever the profile's scorers prefer; None when none is left. Of
         equal engines the first: a fallback draws nothing from the picker's random numbers."""
-        for keep in self.filters:
-            views = keep(ask, views)
-            if not views:
-                return None
-        return max(views, key=freeness)
+        views = self._kept(ask, views)
+        return max(views, key=freeness) if views else None
 
     def _draw(self, tied: list[EngineView]) -> EngineView:
         """One of equally good engines, at random (equal engines share the load)."""
