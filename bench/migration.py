@@ -36,7 +36,8 @@ of each ``--slowdown-contexts`` length joins and, after ``--move-after`` tokens,
 ``precopy``. Each move is paired with the same scene without a move, measured over a window as
 long as the move took. The bystanders' inter-token gaps on the source during the window (and on
 the target, 250 ms past it) are pooled over the pairs; slowdown = mean gap while moving / mean
-gap while not - 1. Each of ``--slowdown-paces`` (pre-copy MiB/s, 0: unpaced) gets a fleet of its
+gap while not - 1. Each of ``--slowdown-paces`` (pre-copy MiB/s like ``64``, a share of the time
+like ``5%``, or ``0``: unpaced) gets a fleet of its
 own; the stall runs on the first.
 
 Every run's numbers go to ``bench/results/migration-<time>.json``; a part skipped with
@@ -299,7 +300,20 @@ def stall_once(
     }
 
 
-def bench_fleet(max_model_len: int, precopy_mib_per_s: int = 0) -> FleetConfig:
+def pace_of(text: str) -> tuple[int, float]:
+    """A ``--slowdown-paces`` item as (MiB/s, share of the time): ``64`` or ``5%``; ``0``: unpaced."""
+    if text.endswith("%"):
+        return 0, float(text[:-1]) / 100
+    return int(text), 0.0
+
+
+def pace_label(text: str) -> str:
+    mib, share = pace_of(str(text))
+    return f"{mib} MiB/s" if mib else f"{100 * share:g} % of the time" if share else "none"
+
+
+def bench_fleet(max_model_len: int, pace: str = "0") -> FleetConfig:
+    precopy_mib_per_s, precopy_share = pace_of(pace)
     return FleetConfig(
         model_path=ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct",
         served_model_name="SmolLM2-135M-Instruct",
@@ -318,6 +332,7 @@ def bench_fleet(max_model_len: int, precopy_mib_per_s: int = 0) -> FleetConfig:
         kv_cache_gib=2,
         restart=False,
         migration_precopy_mib_per_s=precopy_mib_per_s,
+        migration_precopy_share=precopy_share,
     )
 
 
@@ -662,14 +677,15 @@ def section(
             "window as long (the pairs alternate). Shown: the other streams' mean inter-token gap on the "
             "source during the move and on the target during the move and 250 ms after it (the target "
             "injects and admits at the end), pooled over the trials (target: source slowdown <= 5 %). "
-            "Each pre-copy pace runs on a fleet of its own (`--migration-precopy-mib-per-s`).",
+            "Each pre-copy pace runs on a fleet of its own (`--migration-precopy-mib-per-s`, or "
+            "`--migration-precopy-share` for a share of the time).",
             "",
             "| pre-copy pace | context | pairs | source, moving | source, not | source slowdown "
             "| target, moving | target, not | target slowdown |",
             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
-            f"| {'{} MiB/s'.format(r['pace']) if r.get('pace') else 'none'} | {r['context']} | {r['trials']} "
+            f"| {pace_label(r.get('pace', '0'))} | {r['context']} | {r['trials']} "
             f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
             f"| {100 * r['source_slowdown']:+.1f} % | {r['target_moving_ms']:.1f} ms "
             f"| {r['target_still_ms']:.1f} ms | {100 * r['target_slowdown']:+.1f} % |"
@@ -704,7 +720,10 @@ def main() -> None:
     parser.add_argument("--slowdown-repeats", type=int, default=5)
     parser.add_argument("--bystanders", type=int, default=4, help="other streams decoding during a move")
     parser.add_argument(
-        "--slowdown-paces", type=int, nargs="+", default=[0, 64], help="pre-copy paces, MiB/s (0: unpaced)"
+        "--slowdown-paces",
+        nargs="+",
+        default=["0", "64", "5%"],
+        help="pre-copy paces: MiB/s (64), a share of the time (5%%), or 0 (unpaced)",
     )
     parser.add_argument("--skip-stall", action="store_true")
     parser.add_argument("--skip-slowdown", action="store_true")
@@ -712,12 +731,11 @@ def main() -> None:
     parser.add_argument("--no-docs", action="store_true", help="print the results, leave the docs alone")
     args = parser.parse_args()
     started = time.monotonic()
-    bw = [] if args.skip_bandwidth else bandwidth(args.sizes_mb, args.repeats)
     stalls: list[dict[str, Any]] = []
     slow: list[dict[str, Any]] = []
     ready = 0.0
     # One fleet per pre-copy pace; the stall runs on the first (unpaced by default).
-    paces = [0] if args.skip_slowdown else args.slowdown_paces
+    paces = ["0"] if args.skip_slowdown else args.slowdown_paces
     for index, pace in enumerate(paces if not (args.skip_stall and args.skip_slowdown) else []):
         # (SmolLM2 takes up to 8,192 positions.)
         cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 160, pace)
@@ -730,13 +748,16 @@ def main() -> None:
             if index == 0 and not args.skip_stall:
                 stalls = stall(cfg, args.contexts, args.stall_repeats, args.move_after)
             if not args.skip_slowdown:
-                say(f"slowdown: pre-copy pace {pace or 'none'} MiB/s")
+                say(f"slowdown: pre-copy pace {pace_label(pace)}")
                 rows = slowdown(
                     cfg, args.slowdown_contexts, args.slowdown_repeats, args.move_after, args.bystanders
                 )
                 slow += [{**row, "pace": pace} for row in slowdown_summary(rows)]
         finally:
             fleet.stop()
+    # Last: the bandwidth runs allocate and free several GiB, and engines started right after
+    # them saw the client stall for a second at a time (the kernel reclaiming memory).
+    bw = [] if args.skip_bandwidth else bandwidth(args.sizes_mb, args.repeats)
     note = (
         f"Machine: {torch.get_num_threads()} threads, torch {torch.__version__}; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; fleet ready in {ready:.0f} s; "

@@ -7,6 +7,7 @@ real size; the router's balancing leader moves requests off a crowded simulated 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -43,13 +44,15 @@ class MovingFleet:
         return pb_grpc.EngineControlStub(channel)
 
 
-@pytest.fixture(scope="module")
-def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFleet]:
+@contextlib.contextmanager
+def _moving_fleet(
+    tmp_path_factory: pytest.TempPathFactory, cluster: str, engine_flags: tuple[str, ...] = ()
+) -> Iterator[MovingFleet]:
     """Redis, two simulated engines that migrate, and a balancing router that places requests
     by session (so a test can pile them on one engine)."""
     engine_args = [
         "--model", "llama3-8b-a100", "--sim-kv-blocks", "2048", "--max-model-len", "4096",
-        "--max-num-seqs", "32", "--migration",
+        "--max-num-seqs", "32", "--migration", *engine_flags,
     ]  # fmt: skip
     router_args = (
         "--scheduler", "session_affinity", "--balance", "--balance-interval", "0.2",
@@ -59,20 +62,28 @@ def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFle
     def ports(_: int) -> list[str]:
         return ["--control-port", str(free_port()), "--kv-port", str(free_port(2))]
 
-    logs = tmp_path_factory.mktemp("sim-move")
-    with sim_fleet(logs, CLUSTER, MODEL, engine_args, router_args, per_engine=ports) as fleet:
+    logs = tmp_path_factory.mktemp(cluster)
+    with sim_fleet(logs, cluster, MODEL, engine_args, router_args, per_engine=ports) as fleet:
         client = redis.Redis.from_url(fleet.redis_url)
-        yield MovingFleet(fleet.url, client, Keys(CLUSTER))
+        yield MovingFleet(fleet.url, client, Keys(cluster))
         client.close()
 
 
-def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: MovingFleet) -> None:
+@pytest.fixture(scope="module")
+def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFleet]:
+    with _moving_fleet(tmp_path_factory, CLUSTER) as fleet:
+        yield fleet
+
+
+def _move_a_stream(fleet: MovingFleet, reason: str) -> tuple[pb.MigrationResult, str, str]:
+    """Stream a 300-token prompt's 600 tokens, moving the request (with ``reason``) after 50;
+    returns the move's result, its source and its target once every token came, once."""
     body = {
         "model": MODEL, "prompt": list(range(300)), "max_tokens": 600, "stream": True,
         "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
     token_ids: list[int] = []
-    with httpx.stream("POST", moving_fleet.url + "/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", fleet.url + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         source = response.headers["X-Shoal-Engine"]
         request_id = response.headers["X-Shoal-Request-Id"]
@@ -82,14 +93,19 @@ def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: 
             line = next(lines)
             if line.startswith("data: {"):
                 token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
-        result = moving_fleet.control(source).Migrate(
-            pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin"), timeout=STALL_S
+        result = fleet.control(source).Migrate(
+            pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason=reason), timeout=STALL_S
         )
         assert pb.Outcome.Name(result.outcome) == "MIGRATED", result.detail
         for line in lines:
             if line.startswith("data: {"):
                 token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
     assert len(token_ids) == 600  # every token once: none lost, none repeated
+    return result, source, target
+
+
+def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: MovingFleet) -> None:
+    result, source, target = _move_a_stream(moving_fleet, "admin")
     # The KV went over in whole blocks of the model's size, most of it before the stop.
     assert result.bytes == result.blocks * BLOCK * BYTES_PER_TOKEN
     assert result.blocks >= (300 + 50) // BLOCK
@@ -136,3 +152,31 @@ async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engin
     while migrated() <= before:  # the counter moves when the Migrate call returns
         assert time.monotonic() < deadline, "the leader moved no request"
         await asyncio.sleep(0.1)
+
+
+SHARE = 0.01  # of the time a paced pre-copy may spend sending
+
+
+@pytest.fixture(scope="module")
+def paced_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFleet]:
+    with _moving_fleet(tmp_path_factory, "sim-paced", ("--migration-precopy-share", str(SHARE))) as fleet:
+        yield fleet
+
+
+def test_a_paced_pre_copy_sends_for_its_share_of_the_time_but_a_drain_goes_at_full_speed(
+    paced_fleet: MovingFleet,
+) -> None:
+    """Engines pace pre-copy to 1 % of the time: a move's pre-copy of some 45 MB at 8 GB/s takes
+    about 0.6 s instead of 6 ms; a drain's move (the engine is leaving) is not paced."""
+    paced, _, _ = _move_a_stream(paced_fleet, "admin")
+    drained, _, _ = _move_a_stream(paced_fleet, "drain")
+    durations = {}
+    for result in (paced, drained):
+        record = migration_record_decoder.decode(
+            paced_fleet.redis.get(paced_fleet.keys.migration(result.migration_id))
+        )
+        assert record.bytes == result.bytes > 300 * BYTES_PER_TOKEN
+        durations[record.reason] = record.duration_ms
+    # The pre-copy (all but the last stage's few blocks) went at 1 % of 8 GB/s.
+    assert durations["admin"] >= (paced.bytes - 4 * BLOCK * BYTES_PER_TOKEN) / (8e9 * SHARE) * 1000
+    assert durations["drain"] < durations["admin"] / 4, durations

@@ -315,3 +315,54 @@ def test_paced_send_takes_its_time_and_delivers_every_block(any_pair: Pair) -> N
     staged = pair.call("target", kv.ReadStaged("m"))
     assert isinstance(source, kv.BlockBytes) and isinstance(staged, kv.BlockBytes)
     assert staged.data == source.data
+
+
+def _same_blocks(pair: Pair, blocks: int) -> None:
+    """The target's staging holds the source's first ``blocks`` blocks of request ``r``, byte for byte."""
+    source = pair.call("source", kv.ReadBlocks("r", 0, blocks))
+    staged = pair.call("target", kv.ReadStaged("m"))
+    assert isinstance(source, kv.BlockBytes) and isinstance(staged, kv.BlockBytes)
+    assert staged.data == source.data
+
+
+def test_a_send_paced_by_share_waits_out_the_rest_of_its_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair = Pair(tmp_path, chunk_bytes=2 * LAYERS * WIDTH * 2)
+    try:
+        _run(pair.source, "r", [9, 3, 4, 5, 0, 12], tokens=6 * BLOCK)
+        # A transport whose every chunk takes 20 ms (a slow link): the agent's own seam.
+        send = pair.source._transport.send
+
+        def slow_send(*args: object) -> int:
+            time.sleep(0.02)
+            return send(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(pair.source._transport, "send", slow_send)
+        started = time.monotonic()
+        sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0, max_busy_share=0.25))
+        elapsed = time.monotonic() - started
+        assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (6, 6)
+        # Three chunks of 20 ms sending at most a quarter of the time: the first two are each
+        # followed by a wait until the time since the start is four times the time spent sending.
+        assert elapsed >= 2 * 4 * 0.02 + 0.02 - 0.01
+        _same_blocks(pair, 6)
+    finally:
+        pair.close()
+
+
+def test_a_paced_send_stops_at_its_time_limit_and_the_next_goes_on(any_pair: Pair) -> None:
+    pair = any_pair
+    _run(pair.source, "r", [9, 3, 4, 5, 0, 12], tokens=6 * BLOCK)
+    total = 6 * LAYERS * WIDTH * 2
+    # At this pace the whole send would take 0.6 s: one chunk goes, then its wait passes the limit.
+    first = pair.call(
+        "source",
+        kv.SendBlocks("r", "m", pair.addresses["td"], 0, max_bytes_per_s=int(total / 0.6), max_seconds=0.1),
+    )
+    assert isinstance(first, kv.SentBlocks) and 0 < first.blocks < 6
+    assert first.next_block == first.blocks and first.bytes == first.blocks * LAYERS * WIDTH * 2
+    _same_blocks(pair, first.blocks)
+    rest = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], first.next_block))
+    assert isinstance(rest, kv.SentBlocks) and (rest.next_block, rest.blocks) == (6, 6 - first.blocks)
+    _same_blocks(pair, 6)

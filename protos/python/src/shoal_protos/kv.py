@@ -39,9 +39,14 @@ class SendBlocks(_Tagged):
     first_block: int
     max_blocks: int = 1 << 30
     partial: bool = False
-    # Pace the send to at most this many bytes per second (0: as fast as it goes), so that a
-    # pre-copy leaves the engine's compute to its other requests.
+    # Pace the send, so that a pre-copy leaves the engine's compute to its other requests: at
+    # most this many bytes per second (0: as fast as it goes), and sending for at most this
+    # share of the time since it began (0: no limit; after each chunk it waits out the rest).
     max_bytes_per_s: int = 0
+    max_busy_share: float = 0.0
+    # A paced send stops between chunks once it has run this long (0: never), and reports how
+    # far it got (``SentBlocks.next_block``).
+    max_seconds: float = 0.0
 
 
 class Connect(_Tagged):

@@ -138,7 +138,14 @@ class EngineConfig(BaseModel):
     migration_precopy_mib_per_s: int = Field(default=0, ge=0, le=1 << 20)
     """Pace pre-copy stages to this rate (0: unpaced). On engines whose KV copy shares the cores
     that decode, a pace trades a longer migration for less slowdown of the other requests; the
-    last stage, after the stop, always goes at full speed."""
+    last stage, after the stop, always goes at full speed, and so do a drain's moves (the engine
+    is leaving, and its other requests with it)."""
+
+    migration_precopy_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Pace pre-copy stages by time instead of bytes (0: unpaced): the KV agent sends for at most
+    this share of the time since a stage began, waiting out the rest after each chunk. Unlike a
+    byte rate it needs no knowledge of the link or the machine: the copy takes at most this share
+    of a core that also decodes, whatever the copy's speed. Either pace, or both, may be set."""
 
     migration_warm: bool = True
     """After pre-copy and before the stop, the target runs the context staged so far through vLLM

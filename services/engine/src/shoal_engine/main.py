@@ -100,6 +100,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "--migration-precopy-mib-per-s", type=int, default=0, help="pace pre-copy stages (0: unpaced)"
     )
     parser.add_argument(
+        "--migration-precopy-share",
+        type=float,
+        default=0.0,
+        help="pace pre-copy stages to send for at most this share of the time (0: unpaced)",
+    )
+    parser.add_argument(
         "--no-migration-warm",
         dest="migration_warm",
         action="store_false",
@@ -138,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         migration_max_stages=args.migration_max_stages,
         migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,
         migration_precopy_mib_per_s=args.migration_precopy_mib_per_s,
+        migration_precopy_share=args.migration_precopy_share,
         migration_warm=args.migration_warm,
         migration_step_timeout_s=args.migration_step_timeout,
         zmq_curve_key_file=args.zmq_curve_key_file,

@@ -253,9 +253,12 @@ class MigrationManager:
         stopped: StoppedRequest | None = None
         try:
             next_block = 0
-            pace = config.migration_precopy_mib_per_s << 20
-            # A paced stage sends what fits in half a step deadline; later stages send the rest.
-            stage_blocks = max(1, int(pace * timeout / 2) // status.bytes_per_block) if pace else 1 << 30
+            # A drain empties an engine that is leaving: its moves go at full speed.
+            pace, share = (
+                (0, 0.0)
+                if result.reason == "drain"
+                else (config.migration_precopy_mib_per_s << 20, config.migration_precopy_share)
+            )
             while mode in (pb.PRECOPY, pb.PRECOPY_UNWARMED):
                 sent = await self._agent.call(
                     kv.SendBlocks(
@@ -263,8 +266,11 @@ class MigrationManager:
                         migration_id=result.migration_id,
                         target=prepared.kv_address,
                         first_block=next_block,
-                        max_blocks=stage_blocks,
                         max_bytes_per_s=pace,
+                        max_busy_share=share,
+                        # A paced stage sends what it can in half a step deadline; later
+                        # stages send the rest.
+                        max_seconds=timeout / 2 if pace or share else 0.0,
                     )
                 )
                 _count_stage(result, sent)

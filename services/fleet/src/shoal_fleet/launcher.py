@@ -77,6 +77,9 @@ class FleetConfig:
     """Deadline of each migration step (prepare, a KV stage, commit)."""
     migration_precopy_mib_per_s: int = 0
     """Pace of pre-copy stages in MiB/s (0: unpaced); the engine's --migration-precopy-mib-per-s."""
+    migration_precopy_share: float = 0.0
+    """Share of the time pre-copy stages may spend sending (0: unpaced); the engine's
+    --migration-precopy-share."""
     kv_block_size: int = 32
     """KV block size in tokens when migration is on (the CPU build's smallest): the tail a
     migrated request recomputes on its target is shorter than a block or two."""
@@ -269,6 +272,8 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 str(cfg.migration_step_timeout_s),
                 "--migration-precopy-mib-per-s",
                 str(cfg.migration_precopy_mib_per_s),
+                "--migration-precopy-share",
+                str(cfg.migration_precopy_share),
             ]
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]

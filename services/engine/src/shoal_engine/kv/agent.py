@@ -398,26 +398,32 @@ class KvAgent:
             return kv.SentBlocks(
                 next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written
             )
-        sent = self._paced_send(command, ids)
+        sent, count = self._paced_send(command, ids)
         with self._lock:
             if self._tables.get(command.request_id) is not table or table.epoch != epoch:
                 return kv.AgentError(
                     message=f"request {command.request_id} was preempted while its blocks were sent"
                 )
         return kv.SentBlocks(
-            next_block=command.first_block + len(ids),
-            blocks=len(ids),
+            next_block=command.first_block + count,
+            blocks=count,
             bytes=sent,
             seconds=time.perf_counter() - started,
             tokens_written=written,
         )
 
-    def _paced_send(self, command: kv.SendBlocks, ids: list[int]) -> int:
-        """Send ``ids`` in one transport call, or chunk by chunk at ``max_bytes_per_s``."""
-        pace = command.max_bytes_per_s
-        step = self._chunk_blocks if pace else max(1, len(ids))
-        started, sent = time.monotonic(), 0
+    def _paced_send(self, command: kv.SendBlocks, ids: list[int]) -> tuple[int, int]:
+        """Send ``ids`` in one transport call, or, paced, chunk by chunk: after each chunk, wait
+        until the bytes sent fit ``max_bytes_per_s`` and the time spent sending fits
+        ``max_busy_share`` of the time since the first chunk began; stop between chunks once
+        ``max_seconds`` have passed. Returns the bytes sent and how many of ``ids`` went."""
+        pace, share = command.max_bytes_per_s, command.max_busy_share
+        step = self._chunk_blocks if pace or share else max(1, len(ids))
+        started, sent, busy = time.monotonic(), 0, 0.0
         for at in range(0, len(ids), step):
+            if at and command.max_seconds and time.monotonic() - started >= command.max_seconds:
+                return sent, at
+            began = time.monotonic()
             sent += self._transport.send(
                 command.target,
                 command.migration_id,
@@ -425,10 +431,13 @@ class KvAgent:
                 ids[at : at + step],
                 self._layers,
             )
-            ahead = sent / pace - (time.monotonic() - started) if pace else 0.0
-            if ahead > 0 and at + step < len(ids):  # no wait after the last chunk
-                time.sleep(ahead)
-        return sent
+            busy += time.monotonic() - began
+            if at + step < len(ids):  # no wait after the last chunk
+                due = max(sent / pace if pace else 0.0, busy / share if share else 0.0)
+                ahead = due - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        return sent, len(ids)
 
     # ---- data threads -----------------------------------------------------------------------
 

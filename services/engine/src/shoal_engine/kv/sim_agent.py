@@ -160,9 +160,15 @@ class SimKvAgent:
             )
         blocks = -(-written // self.block_size) if command.partial else written // self.block_size
         count = max(0, min(blocks, command.first_block + command.max_blocks) - command.first_block)
+        # The real agent's pacing: at most the byte rate, sending for at most the share of the
+        # time, and a paced send stops once ``max_seconds`` have passed.
+        rate = min(self._bytes_per_s, command.max_bytes_per_s or self._bytes_per_s)
+        if command.max_busy_share:
+            rate = min(rate, self._bytes_per_s * command.max_busy_share)
+        if command.max_seconds and rate < self._bytes_per_s:
+            count = min(count, max(1, int(command.max_seconds * rate) // self.bytes_per_block))
         nbytes = count * self.bytes_per_block
         if count:
-            rate = min(self._bytes_per_s, command.max_bytes_per_s or self._bytes_per_s)
             time.sleep(nbytes / rate)
             header = kv.StageHeader(
                 migration_id=command.migration_id,
