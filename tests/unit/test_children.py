@@ -101,6 +101,8 @@ def test_engines_follow_the_spec() -> None:
     assert int(hook[hook.index("--port") + 1]) == args_port(args, "--http-port")
     env = env_of(container)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    # A CPU engine's pre-copy shares the core that decodes: paced to 5 % of the time by default.
+    assert args[args.index("--migration-precopy-share") + 1] == "0.05"
     # The managed Redis wants the password from the Secret the operator generates.
     assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "smol-redis-auth", "key": "password"}}
     assert env["REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@smol-redis:6379/0"
@@ -128,6 +130,8 @@ def test_gpu_engines_ask_for_gpus_and_the_router_gets_its_ingress() -> None:
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "VLLM_CPU_KVCACHE_SPACE" not in env_of(container)
     assert container["args"][container["args"].index("--kv-transport") + 1] == "nccl"
+    # GPU engines copy KV beside the compute: pre-copy is not paced unless the spec says so.
+    assert container["args"][container["args"].index("--migration-precopy-share") + 1] == "0"
     assert container["args"][container["args"].index("--scheduling-policy") + 1] == "priority"
     assert container["args"][container["args"].index("--priority-headroom") + 1] == "0.25"
     rule = one(rendered, "Ingress", "router")["spec"]["rules"][0]
@@ -290,3 +294,12 @@ def test_the_routers_scheduler_and_balancing_come_from_the_spec() -> None:
         obj["spec"]["router"] = {"scheduler": bad}
         with pytest.raises(ValueError, match="scheduler"):
             InferenceClusterSpec.model_validate(obj["spec"])
+
+
+@pytest.mark.parametrize(("gpus", "share", "passed"), [(0, 0.0, "0"), (0, 0.2, "0.2"), (1, 0.1, "0.1")])
+def test_a_precopy_share_in_the_spec_reaches_the_engines(gpus: int, share: float, passed: str) -> None:
+    obj = yaml.safe_load((ROOT / "operator" / "samples" / "minimal.yaml").read_text())
+    obj["spec"].setdefault("engine", {}).update({"gpus": gpus, "precopyShare": share})
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
+    (container,) = one(children.render(cluster), "Deployment", "engine")["spec"]["template"]["spec"]["containers"]
+    assert container["args"][container["args"].index("--migration-precopy-share") + 1] == passed

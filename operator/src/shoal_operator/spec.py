@@ -145,6 +145,16 @@ class EngineSpec(_Spec):
         description="Fraction of an engine's KV cache routers count as used for each priority request "
         "(priority below 0) it holds, so other requests go and move elsewhere.",
     )
+    precopy_share: float | None = Field(
+        default=None,
+        alias="precopyShare",
+        ge=0.0,
+        le=1.0,
+        description="Share of the time a migration's pre-copy may spend sending KV while the "
+        "request keeps decoding on its engine (0: unpaced). Unset: 0.05 on CPU engines, whose "
+        "decoding shares the core with the copy, and unpaced on GPU engines. A drain's moves are "
+        "never paced.",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field(
         default="fcfs",
         alias="schedulingPolicy",
