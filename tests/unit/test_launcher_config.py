@@ -233,3 +233,13 @@ def test_model_path_with_a_space_stays_one_argument(tmp_path: Path) -> None:
     parser = parse(supervisord_config(cfg))
     for section in engines(parser).values():
         assert option(argv(section), "--model") == str(cfg.model_path)
+
+
+@pytest.mark.usefixtures("redis_server", "many_cores")
+@pytest.mark.parametrize(("share", "passed"), [(None, "0.05"), (0.0, "0.0"), (0.2, "0.2")])
+def test_engines_pace_their_pre_copy_as_configured(tmp_path: Path, share: float | None, passed: str) -> None:
+    # CPU engines: the copy shares the core that decodes, so pre-copy is paced unless told not to.
+    cfg = make_config(tmp_path) if share is None else make_config(tmp_path, migration_precopy_share=share)
+    for section in engines(parse(supervisord_config(cfg))).values():
+        args = argv(section)
+        assert args[args.index("--migration-precopy-share") + 1] == passed
