@@ -301,5 +301,6 @@ def test_a_precopy_share_in_the_spec_reaches_the_engines(gpus: int, share: float
     obj = yaml.safe_load((ROOT / "operator" / "samples" / "minimal.yaml").read_text())
     obj["spec"].setdefault("engine", {}).update({"gpus": gpus, "precopyShare": share})
     cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
-    (container,) = one(children.render(cluster), "Deployment", "engine")["spec"]["template"]["spec"]["containers"]
+    deployment = one(children.render(cluster), "Deployment", "engine")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["args"][container["args"].index("--migration-precopy-share") + 1] == passed
