@@ -33,12 +33,15 @@ core the pre-copy and the warm-up share).
 
 **Slowdown** (same fleet): ``--bystanders`` long greedy streams decode on both engines; a request
 of each ``--slowdown-contexts`` length joins and, after ``--move-after`` tokens, is moved with
-``precopy``. Each move is paired with the same scene without a move, measured over a window as
-long as the move took. The bystanders' inter-token gaps on the source during the window (and on
-the target, 250 ms past it) are pooled over the pairs; slowdown = mean gap while moving / mean
-gap while not - 1. Each of ``--slowdown-paces`` (pre-copy MiB/s like ``64``, a share of the time
-like ``5%``, or ``0``: unpaced) gets a fleet of its
-own; the stall runs on the first.
+``precopy`` back and forth between the engines ``--slowdown-moves`` times (one more first, not
+measured). Each move is paired with the window just before it, as long as the move before took,
+in which nothing moves: the same streams on the same engines, back to back, so the machine's
+drift stays out of the pair. Slowdown = the mean over the pairs of (the bystanders' mean
+inter-token gap on the source while moving / just before - 1), with a 95 % bootstrap interval;
+the same on the target, whose moving window runs 250 ms past the move (it injects and admits at
+the end, and takes the request on). Each of ``--slowdown-paces`` (pre-copy MiB/s like ``64``, a
+share of the time like ``5%``, or ``0``: unpaced) gets a fleet of its own; the stall runs on the
+first.
 
 Every run's numbers go to ``bench/results/migration-<time>.json``; a part skipped with
 ``--skip-*`` is reported from the last run that measured it. Results go between
@@ -391,21 +394,26 @@ def _window_gaps(stamps: list[float], start: float, end: float) -> list[float]:
     return [(b - a) * 1000 for a, b in itertools.pairwise(stamps) if start <= b <= end]
 
 
-async def slowdown_trial(
+def _other(engine: str) -> str:
+    return "engine-1" if engine == "engine-0" else "engine-0"
+
+
+async def slowdown_scene(
     cfg: FleetConfig,
     context: int,
+    moves: int,
     move_after: int,
     bystanders: int,
-    window_s: float | None,
     rng: random.Random,
-) -> dict[str, Any] | None:
+) -> list[dict[str, Any]]:
     """``bystanders`` long streams decode on both engines; a request of ``context`` tokens joins
-    and, after ``move_after`` tokens, is moved to the other engine (``window_s`` None) or left
-    where it is for ``window_s`` (the baseline). Returns the bystanders' inter-token gaps on the
-    request's engine (source) and on the other one (target) during that window."""
-    import redis
-
-    from shoal_protos.records import Keys, engine_record_decoder
+    and, after ``move_after`` tokens, is moved back and forth between the engines ``moves`` + 1
+    times. Before each move comes a window with no move, as long as the move before it took (the
+    first move only sets that length): the same streams on the same engines, the moved request
+    still on its source, just before. Returns one pair per measured move: the bystanders'
+    inter-token gaps on the source and on the target in the window without a move and in the move
+    (on the target, 250 ms past it: it injects and admits at the end)."""
+    stubs = _control_stubs(cfg)
 
     def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
         return {
@@ -417,11 +425,13 @@ async def slowdown_trial(
             "stream": True,
         }
 
+    pairs: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as client:
         others = [{"stamps": []} for _ in range(bystanders)]
+        long_enough = cfg.max_model_len - 32
         tasks = [
             asyncio.create_task(
-                _stream_stamps(client, body([rng.randrange(100, 40000) for _ in range(16)], 4000), o)
+                _stream_stamps(client, body([rng.randrange(100, 40000) for _ in range(16)], long_enough), o)
             )
             for o in others
         ]
@@ -429,72 +439,74 @@ async def slowdown_trial(
         try:
             await _until(lambda: all(len(o["stamps"]) >= 4 for o in others), 120, "the bystanders to decode")
             prompt = [rng.randrange(100, 40000) for _ in range(context)]
-            tasks.append(asyncio.create_task(_stream_stamps(client, body(prompt, move_after + 150), mover)))
-            await _until(lambda: len(mover["stamps"]) >= move_after, 300, "the request to decode")
-            source = mover["engine"]
-            target = "engine-1" if source == "engine-0" else "engine-0"
-            start = time.perf_counter()
-            if window_s is None:
-                import grpc
-
-                from shoal_protos import engine_control_pb2_grpc as pb_grpc
-
-                record = engine_record_decoder.decode(
-                    redis.Redis.from_url(cfg.redis_url).get(Keys(cfg.cluster).engine(source))
+            tasks.append(
+                asyncio.create_task(
+                    _stream_stamps(client, body(prompt, cfg.max_model_len - context - 8), mover)
                 )
-                stub = pb_grpc.EngineControlStub(grpc.insecure_channel(record.control_address))
+            )
+            await _until(lambda: len(mover["stamps"]) >= move_after, 300, "the request to decode")
+            source, window = mover["engine"], 0.0
+            for i in range(moves + 1):
+                target = _other(source)
+                still_start = time.perf_counter()
+                await asyncio.sleep(window)  # nothing moves: the baseline, just before the move
+                start = time.perf_counter()
                 request = pb.MigrateRequest(
                     request_id=mover["request_id"], target_engine_id=target, mode=pb.PRECOPY
                 )
-                result = await asyncio.to_thread(stub.Migrate, request, timeout=120)
+                result = await asyncio.to_thread(stubs[source].Migrate, request, timeout=120)
                 if result.outcome != pb.MIGRATED:
-                    return None
-            else:
-                await asyncio.sleep(window_s)  # the baseline's measuring window: nothing moves
-            end = time.perf_counter()
-            # The target's cost (injecting, admitting) comes at the end of the move: look a bit past it.
-            await asyncio.sleep(0.25)
-            tail = end + 0.25
+                    say(
+                        f"slowdown: context {context}: move {i} ended "
+                        f"{pb.Outcome.Name(result.outcome)} ({result.detail}); {len(pairs)} pairs"
+                    )
+                    break
+                end = time.perf_counter()
+                await asyncio.sleep(0.25)
+                if i:  # the first move only sets the window's length
+
+                    def gaps(engine: str, a: float, b: float) -> list[float]:
+                        return [
+                            g
+                            for o in others
+                            if o.get("engine") == engine
+                            for g in _window_gaps(o["stamps"], a, b)
+                        ]
+
+                    pair = {
+                        "context": context,
+                        "window_s": end - start,
+                        "source_moving": gaps(source, start, end),
+                        "source_still": gaps(source, still_start, start),
+                        "target_moving": gaps(target, start, end + 0.25),
+                        "target_still": gaps(target, still_start, start),
+                    }
+                    pairs.append(pair)
+                    say(
+                        f"slowdown: context {context} #{i}: source gaps "
+                        f"{_mean(pair['source_moving']):.1f} ms moving vs "
+                        f"{_mean(pair['source_still']):.1f} ms just before "
+                        f"({pair['window_s'] * 1000:.0f} ms windows)"
+                    )
+                window, source = end - start, target
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    return {
-        "context": context,
-        "moved": window_s is None,
-        "window_s": end - start,
-        "source_gaps": [
-            g for o in others if o.get("engine") == source for g in _window_gaps(o["stamps"], start, end)
-        ],
-        "target_gaps": [
-            g for o in others if o.get("engine") == target for g in _window_gaps(o["stamps"], start, tail)
-        ],
-    }
+    return pairs
 
 
 def slowdown(
-    cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int, bystanders: int
+    cfg: FleetConfig, contexts: list[int], moves: int, move_after: int, bystanders: int
 ) -> list[dict[str, Any]]:
-    """Pairs of trials: a move, then the same scene without the move over a window as long."""
-    rows = []
+    """One scene per context: ``moves`` measured moves, each paired with the window before it."""
     rng = random.Random(1)
+    rows = []
     for context in contexts:
-        for i in range(repeats):
-            moved = None
-            for _ in range(3):
-                moved = asyncio.run(slowdown_trial(cfg, context, move_after, bystanders, None, rng))
-                if moved is not None:
-                    break
-            if moved is None:
-                raise RuntimeError(f"slowdown, context {context}: no request could be moved")
-            stayed = asyncio.run(slowdown_trial(cfg, context, move_after, bystanders, moved["window_s"], rng))
-            assert stayed is not None
-            rows += [moved, stayed]
-            say(
-                f"slowdown: context {context} #{i + 1}: source gaps {_mean(moved['source_gaps']):.1f} ms "
-                f"moving vs {_mean(stayed['source_gaps']):.1f} ms not "
-                f"({moved['window_s'] * 1000:.0f} ms window)"
-            )
+        pairs = asyncio.run(slowdown_scene(cfg, context, moves, move_after, bystanders, rng))
+        if not pairs:
+            raise RuntimeError(f"slowdown, context {context}: no move could be measured")
+        rows += pairs
     return rows
 
 
@@ -502,22 +514,30 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def mean_interval(values: list[float], resamples: int = 4000) -> tuple[float, float, float]:
+    """The mean of ``values`` and a 95 % bootstrap interval of it (percentiles of the means of
+    ``resamples`` draws with replacement; a fixed seed, so a rerun of the report agrees)."""
+    draw = random.Random(0)
+    means = sorted(statistics.fmean(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return statistics.fmean(values), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
 def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per context: the pooled mean gaps, and the slowdown as the mean over the pairs of (mean gap
+    while moving / mean gap just before - 1), with its 95 % interval. Pairs leave the machine's
+    drift out: their two windows are back to back."""
     out = []
     for context in sorted({r["context"] for r in rows}):
-
-        def pooled(key: str, moved: bool, c: int = context) -> list[float]:
-            return [g for r in rows if r["context"] == c and r["moved"] is moved for g in r[key]]
-
-        row: dict[str, Any] = {
-            "context": context,
-            "trials": sum(1 for r in rows if r["context"] == context) // 2,
-        }
+        pairs = [r for r in rows if r["context"] == context]
+        row: dict[str, Any] = {"context": context, "trials": len(pairs)}
         for side in ("source", "target"):
-            moving, still = pooled(f"{side}_gaps", True), pooled(f"{side}_gaps", False)
-            row[f"{side}_moving_ms"], row[f"{side}_still_ms"] = _mean(moving), _mean(still)
-            row[f"{side}_gaps"] = (len(moving), len(still))
-            row[f"{side}_slowdown"] = _mean(moving) / _mean(still) - 1
+            kept = [p for p in pairs if p[f"{side}_moving"] and p[f"{side}_still"]]
+            row[f"{side}_moving_ms"] = _mean([g for p in kept for g in p[f"{side}_moving"]])
+            row[f"{side}_still_ms"] = _mean([g for p in kept for g in p[f"{side}_still"]])
+            ratios = [_mean(p[f"{side}_moving"]) / _mean(p[f"{side}_still"]) - 1 for p in kept]
+            row[f"{side}_slowdown"], row[f"{side}_low"], row[f"{side}_high"] = (
+                mean_interval(ratios) if ratios else (float("nan"),) * 3
+            )
         out.append(row)
     return out
 
@@ -672,28 +692,38 @@ def section(
     if slow:
         lines += [
             f"**Slowdown of the other requests.** {args.bystanders} other greedy streams decode on the "
-            "two engines while a request of the given context is moved (precopy) after "
-            f"{args.move_after} tokens; beside it, in the same run, the same scene with no move over a "
-            "window as long (the pairs alternate). Shown: the other streams' mean inter-token gap on the "
-            "source during the move and on the target during the move and 250 ms after it (the target "
-            "injects and admits at the end), pooled over the trials (target: source slowdown <= 5 %). "
-            "Each pre-copy pace runs on a fleet of its own (`--migration-precopy-mib-per-s`, or "
-            "`--migration-precopy-share` for a share of the time).",
+            "two engines while a request of the given context moves back and forth between them "
+            f"(precopy, first after {args.move_after} tokens); each move is paired with the window "
+            "just before it, as long, in which nothing moves (the same streams on the same engines). "
+            "Shown: the other streams' mean inter-token gap on the source during the moves and in the "
+            "windows before, and on the target (its moving window runs 250 ms past the move: the "
+            "target injects, admits and takes the request on at the end); slowdown = the mean over the "
+            "pairs of each pair's ratio - 1, with its 95 % bootstrap interval in brackets "
+            "(target: source slowdown <= 5 %). Each pre-copy pace runs on a fleet of its own "
+            "(`--migration-precopy-mib-per-s`, or `--migration-precopy-share` for a share of the time).",
             "",
-            "| pre-copy pace | context | pairs | source, moving | source, not | source slowdown "
-            "| target, moving | target, not | target slowdown |",
+            "| pre-copy pace | context | pairs | source, moving | source, before | source slowdown "
+            "| target, moving | target, before | target slowdown |",
             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
             f"| {pace_label(r.get('pace', '0'))} | {r['context']} | {r['trials']} "
             f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
-            f"| {100 * r['source_slowdown']:+.1f} % | {r['target_moving_ms']:.1f} ms "
-            f"| {r['target_still_ms']:.1f} ms | {100 * r['target_slowdown']:+.1f} % |"
+            f"| {_share(r, 'source')} | {r['target_moving_ms']:.1f} ms "
+            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} |"
             for r in slow
         ]
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
+
+
+def _share(row: dict[str, Any], side: str) -> str:
+    """A slowdown cell: ``+1.2 % [-0.8, +3.1]`` (rows of runs before the interval: no brackets)."""
+    text = f"{100 * row[f'{side}_slowdown']:+.1f} %"
+    if f"{side}_low" in row:
+        text += f" [{100 * row[f'{side}_low']:+.1f}, {100 * row[f'{side}_high']:+.1f}]"
+    return text
 
 
 def last_results(part: str) -> list[dict[str, Any]]:
@@ -717,7 +747,7 @@ def main() -> None:
     parser.add_argument("--stall-repeats", type=int, default=3)
     parser.add_argument("--move-after", type=int, default=16)
     parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--slowdown-repeats", type=int, default=5)
+    parser.add_argument("--slowdown-moves", type=int, default=24, help="measured moves per context and pace")
     parser.add_argument("--bystanders", type=int, default=4, help="other streams decoding during a move")
     parser.add_argument(
         "--slowdown-paces",
@@ -737,8 +767,10 @@ def main() -> None:
     # One fleet per pre-copy pace; the stall runs on the first (unpaced by default).
     paces = ["0"] if args.skip_slowdown else args.slowdown_paces
     for index, pace in enumerate(paces if not (args.skip_stall and args.skip_slowdown) else []):
-        # (SmolLM2 takes up to 8,192 positions.)
-        cfg = bench_fleet(max(args.contexts + args.slowdown_contexts) + args.move_after + 160, pace)
+        # Room for the stall's longest request, and for the slowdown's moved request to decode
+        # through all of its moves (SmolLM2 takes up to 8,192 positions).
+        longest = max(max(args.contexts) + args.move_after + 160, max(args.slowdown_contexts) + 4000)
+        cfg = bench_fleet(min(longest, 8192), pace)
         fleet = Fleet(cfg, say=say)
         began = time.monotonic()
         try:
@@ -750,7 +782,7 @@ def main() -> None:
             if not args.skip_slowdown:
                 say(f"slowdown: pre-copy pace {pace_label(pace)}")
                 rows = slowdown(
-                    cfg, args.slowdown_contexts, args.slowdown_repeats, args.move_after, args.bystanders
+                    cfg, args.slowdown_contexts, args.slowdown_moves, args.move_after, args.bystanders
                 )
                 slow += [{**row, "pace": pace} for row in slowdown_summary(rows)]
         finally:
@@ -778,7 +810,9 @@ def main() -> None:
         if not results[part]:
             results[part] = last_results(part)
     text = section(results["bandwidth"], results["stall"], results["slowdown"], args, note)
-    if not args.no_docs:
+    if args.no_docs:
+        print(text)
+    else:
         plots(results["bandwidth"], results["stall"])
         update_docs(text)
         say(f"wrote {DOCS.relative_to(ROOT)}")
