@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.support import STALL_S, RunningFleet, wait_until
+from tests.integration.support import STALL_S, RunningFleet, model_frozen, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
 
@@ -49,13 +49,16 @@ def test_sigterm_moves_running_request_away_then_leaves(smol_fleet: RunningFleet
     chunks = iter(stream)
     token_ids = list(next(chunks).choices[0].model_extra["token_ids"])
 
-    os.kill(record.pid, signal.SIGTERM)
-    # The engine says DRAINING in Redis, so routers stop sending it new requests ...
-    wait_until(
-        lambda: (r := smol_fleet.engine_record(victim)) is None or r.state == "DRAINING",
-        STALL_S,
-        f"{victim} to mark itself DRAINING",
-    )
+    # The victim's model stays stopped until the engine says DRAINING: the request cannot end
+    # there before the drain begins, however late a loaded machine lets this test send the signal.
+    with model_frozen(smol_fleet, victim):
+        os.kill(record.pid, signal.SIGTERM)
+        # The engine says DRAINING in Redis, so routers stop sending it new requests ...
+        wait_until(
+            lambda: (r := smol_fleet.engine_record(victim)) is None or r.state == "DRAINING",
+            STALL_S,
+            f"{victim} to mark itself DRAINING",
+        )
     # ... and moves the request it runs to the other engine, where it goes on to the end.
     last = None
     for chunk in chunks:
