@@ -9,7 +9,7 @@ as the engine service does.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
-from shoal_engine.kv.transport import runs
+from shoal_engine.kv.transport import Transport, runs, write_message
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
@@ -271,6 +271,44 @@ def test_cancelled_migration_drops_late_chunks(pair: Pair) -> None:
     assert isinstance(sent, kv.AgentError) and "cancelled" in sent.message
     status = pair.call("target", kv.AgentStatus())
     assert isinstance(status, kv.Status) and status.staged_bytes == 0
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_chunks_on_their_way_give_their_staging_back_when_the_source_leaves(tmp_path: Path) -> None:
+    """Over a process group the target posts the receives of the chunks whose headers came in
+    before the first chunk's bytes are in; a source that leaves after the headers lands nothing,
+    and every arena run those chunks took is free again."""
+    pair = Pair(tmp_path, "gloo")
+    sender = Transport("gloo", "127.0.0.1", torch.device("cpu"), 8 << 20, timeout_s=5)
+    try:
+        arena = pair.target._arena
+        free = arena.free_slots()
+        target = pair.addresses["td"]
+        sender.connect(target)
+        for first in (0, 2, 4):
+            header = kv.StageHeader(
+                migration_id="m",
+                first_block=first,
+                num_blocks=2,
+                bytes_per_block=pair.target.bytes_per_block,
+                via="gloo",
+                more=first < 4,
+            )
+            write_message(sender._connections[target], header)
+        _until(lambda: arena.free_slots() == free - 6, "the target did not post the three chunks")
+        sender.close()  # no bytes sent: the source is gone
+        _until(lambda: arena.free_slots() == free, "the chunks' arena runs were not given back")
+        status = pair.call("target", kv.AgentStatus())
+        assert isinstance(status, kv.Status) and status.staged_bytes == 0 and not status.staging_areas
+    finally:
+        sender.close()
+        pair.close()
 
 
 def test_request_not_scheduled_yet_has_nothing_to_send(pair: Pair) -> None:

@@ -136,6 +136,9 @@ class StageHeader(_Tagged):
     bytes_per_block: int
     # "" (the layers follow as frames), "gloo" or "nccl" (they follow on the pair group).
     via: str = ""
+    # Another chunk of the same send follows at once: over a pair group the receiver reads its
+    # header and posts its receives before it waits for this chunk's bytes.
+    more: bool = False
 
 
 class PairJoin(_Tagged):

@@ -29,6 +29,8 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -52,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 # A chunk bigger than this (about 1 GiB for SmolLM2) is not a chunk a sane source sends.
 _MAX_CHUNK_BLOCKS = 2048
+# Chunks whose receives a peer's thread keeps posted at once over a process group (``gloo``,
+# ``nccl``) while their bytes arrive.
+_CHUNKS_IN_FLIGHT = 4
 
 
 @dataclass(slots=True)
@@ -73,6 +78,17 @@ class _Staged:
     nbytes: int = 0
     # Runs of the staging arena the chunks occupy: (first slot, slots).
     runs: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Arriving:
+    """A chunk whose receives are posted over a process group and whose bytes are on the way."""
+
+    header: kv.StageHeader
+    # The staging arena's run it lands in (None: fresh tensors), and the tensors.
+    slot: int | None
+    into: list[torch.Tensor]
+    wait: Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,16 +476,29 @@ class KvAgent:
 
     def _serve_peer(self, conn: socket.socket) -> None:
         receiver = Receiver(conn, self._host, self._layers[0].device, self._timeout_s)
+        # Chunks arriving over a process group, oldest first: while the newest says another
+        # follows (``more``), its header is read and its receives posted before the oldest is
+        # finished (waited for, staged, acked), up to ``_CHUNKS_IN_FLIGHT``, so the group's pipe
+        # does not drain between chunks. Over ``tcp`` a chunk is in when its receive returns and
+        # is acked at once.
+        arriving: deque[_Arriving] = deque()
         try:
             while not self._stop.is_set():
-                conn.settimeout(None)  # idle until the next message
-                raw = read_message(conn)
-                conn.settimeout(self._timeout_s)
-                message = kv.data_message_decoder.decode(raw)
-                if isinstance(message, kv.PairJoin):
-                    receiver.join(message)
-                    continue
-                ack, in_step = self._stage(receiver, message)
+                if arriving and (len(arriving) >= _CHUNKS_IN_FLIGHT or not arriving[-1].header.more):
+                    ack, in_step = self._finish_stage(arriving.popleft())
+                else:
+                    conn.settimeout(None)  # idle until the next message
+                    raw = read_message(conn)
+                    conn.settimeout(self._timeout_s)
+                    message = kv.data_message_decoder.decode(raw)
+                    if isinstance(message, kv.PairJoin):
+                        receiver.join(message)
+                        continue
+                    started = self._start_stage(receiver, message)
+                    if isinstance(started, _Arriving):
+                        arriving.append(started)
+                        continue
+                    ack, in_step = started
                 write_message(conn, ack)
                 if not in_step:
                     break
@@ -479,13 +508,19 @@ class KvAgent:
             if not self._stop.is_set():
                 logger.warning("KV agent: dropped a source connection: %s", exc)
         finally:
+            for left in arriving:  # the connection is closing mid-transfer: nothing will land
+                if left.slot is not None:
+                    self._arena.give_back(left.slot, left.header.num_blocks)
             with self._lock:
                 self._peers.discard(conn)
             conn.close()
 
-    def _stage(self, receiver: Receiver, header: kv.StageHeader) -> tuple[kv.StageAck, bool]:
-        """Receive one chunk into staging; the ack, and whether the connection is still in step
-        (it is not once a chunk's bytes could not be read)."""
+    def _start_stage(
+        self, receiver: Receiver, header: kv.StageHeader
+    ) -> _Arriving | tuple[kv.StageAck, bool]:
+        """Start receiving one chunk into staging: the chunk on its way (over a process group),
+        or else the ack and whether the connection is still in step (it is not once a chunk's
+        bytes could not be read)."""
         if header.bytes_per_block != self.bytes_per_block or not 0 < header.num_blocks <= _MAX_CHUNK_BLOCKS:
             error = (
                 f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here"
@@ -504,13 +539,35 @@ class KvAgent:
                 torch.empty(shape, dtype=torch.uint8, device=self._layers[0].device) for _ in self._layers
             ]
         try:
-            receiver.receive(header, into)
+            wait = receiver.receive(header, into)
         except (OSError, RuntimeError, ConnectionError) as exc:
-            if slot is not None:
-                self._arena.give_back(slot, count)
-            return kv.StageAck(
-                migration_id=header.migration_id, staged_blocks=0, error=f"receive failed: {exc}"
-            ), False
+            return self._receive_failed(header, slot, exc)
+        if wait is not None:
+            return _Arriving(header, slot, into, wait)
+        return self._staged(header, slot, into)
+
+    def _finish_stage(self, arriving: _Arriving) -> tuple[kv.StageAck, bool]:
+        """Wait for a chunk's bytes and stage it; the ack, and whether the connection is in step."""
+        try:
+            arriving.wait()
+        except (OSError, RuntimeError, ConnectionError) as exc:
+            return self._receive_failed(arriving.header, arriving.slot, exc)
+        return self._staged(arriving.header, arriving.slot, arriving.into)
+
+    def _receive_failed(
+        self, header: kv.StageHeader, slot: int | None, exc: Exception
+    ) -> tuple[kv.StageAck, bool]:
+        if slot is not None:
+            self._arena.give_back(slot, header.num_blocks)
+        return kv.StageAck(
+            migration_id=header.migration_id, staged_blocks=0, error=f"receive failed: {exc}"
+        ), False
+
+    def _staged(
+        self, header: kv.StageHeader, slot: int | None, into: list[torch.Tensor]
+    ) -> tuple[kv.StageAck, bool]:
+        """Keep a received chunk in its migration's staging area (or drop it, cancelled)."""
+        count = header.num_blocks
         with self._lock:
             cancelled = header.migration_id in self._freed
             if not cancelled:

@@ -21,7 +21,9 @@ every ``StageHeader`` is answered by a length-prefixed ``StageAck``. Where the l
   it fails when the agent starts.
 
 All chunks of a call are written before the acks are read, so the pipe never drains between
-chunks. ``Receiver`` is the receiving half, on one thread per connected peer of the target agent.
+chunks; over a process group the sender does not wait for a chunk's sends before the next
+header, and the receiver posts a chunk's receives before the chunks ahead of it are in.
+``Receiver`` is the receiving half, on one thread per connected peer of the target agent.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import socket
 import struct
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -266,27 +269,34 @@ class Transport:
         sock = self._connections[target]
         per_block = len(layers) * layers[0].shape[1]
         sent = messages = 0
+        works: list[dist.Work] = []
         try:
             limit = max(1, self._chunk_bytes // per_block)
-            for index, start, count in runs(list(enumerate(block_ids)), limit):
+            chunks = runs(list(enumerate(block_ids)), limit)
+            for at, (index, start, count) in enumerate(chunks):
                 header = kv.StageHeader(
                     migration_id=migration_id,
                     first_block=first_block + index,
                     num_blocks=count,
                     bytes_per_block=per_block,
                     via="" if self._backend == "tcp" else self._backend,
+                    more=at + 1 < len(chunks),
                 )
                 write_message(sock, header)
                 pieces = [layer[start : start + count] for layer in layers]
                 if self._backend == "tcp":
                     send_buffers(sock, [_bytes_of(piece) for piece in pieces])
                 else:
+                    # Not waited for chunk by chunk: the next header goes out while this chunk's
+                    # bytes are on the way, the target posts its receives as each header
+                    # arrives (``more``), and the group's pipe does not drain between chunks.
                     group = self._groups[target][1]
-                    works = [group.send([piece], 1, tag) for tag, piece in enumerate(pieces)]
-                    for work in works:
-                        work.wait(datetime.timedelta(seconds=self._timeout_s))
+                    works += [group.send([piece], 1, tag) for tag, piece in enumerate(pieces)]
                 sent += count * per_block
                 messages += 1
+            timeout = datetime.timedelta(seconds=self._timeout_s)
+            for work in works:
+                work.wait(timeout)
             for _ in range(messages):
                 ack = kv.stage_ack_decoder.decode(read_message(sock))
                 if ack.error:
@@ -337,14 +347,22 @@ class Receiver:
         )
         self._group = (store, group)
 
-    def receive(self, header: kv.StageHeader, into: list[torch.Tensor]) -> None:
-        """Fill ``into`` (one tensor per layer) with the chunk's data. Any failure leaves the
-        connection out of step: the caller closes it."""
+    def receive(self, header: kv.StageHeader, into: list[torch.Tensor]) -> Callable[[], None] | None:
+        """Fill ``into`` (one tensor per layer) with the chunk's data. Over the connection
+        (``tcp``) the data is in when this returns (``None``); over a process group the receives
+        are posted and the returned function waits until the data is in, so the caller can read
+        the next header and post its receives meanwhile. Any failure leaves the connection out of
+        step: the caller closes it."""
         if not header.via:
             read_buffers(self.sock, [_bytes_of(tensor) for tensor in into])
-            return
+            return None
         if self._group is None:
             raise ConnectionError(f"no {header.via} group with this source")
         works = [self._group[1].recv([tensor], 0, tag) for tag, tensor in enumerate(into)]
-        for work in works:
-            work.wait(datetime.timedelta(seconds=self._timeout_s))
+        timeout = datetime.timedelta(seconds=self._timeout_s)
+
+        def wait() -> None:
+            for work in works:
+                work.wait(timeout)
+
+        return wait
