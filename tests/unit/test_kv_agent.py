@@ -280,10 +280,12 @@ def _until(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) ->
         time.sleep(0.02)
 
 
-def test_chunks_on_their_way_give_their_staging_back_when_the_source_leaves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["leaves", "goes quiet"])
+def test_chunks_on_their_way_give_their_staging_back(tmp_path: Path, source: str) -> None:
     """Over a process group the target posts the receives of the chunks whose headers came in
-    before the first chunk's bytes are in; a source that leaves after the headers lands nothing,
-    and every arena run those chunks took is free again."""
+    before the first chunk's bytes are in. A source that leaves after the headers, or stays and
+    sends nothing until the target's timeout, lands nothing, and every arena run those chunks
+    took is free again (after the target let go of the group their receives were posted on)."""
     pair = Pair(tmp_path, "gloo")
     sender = Transport("gloo", "127.0.0.1", torch.device("cpu"), 8 << 20, timeout_s=5)
     try:
@@ -302,7 +304,9 @@ def test_chunks_on_their_way_give_their_staging_back_when_the_source_leaves(tmp_
             )
             write_message(sender._connections[target], header)
         _until(lambda: arena.free_slots() == free - 6, "the target did not post the three chunks")
-        sender.close()  # no bytes sent: the source is gone
+        if source == "leaves":
+            sender.close()
+        # Quiet: the target gives up after its timeout (5 s) and drops the connection.
         _until(lambda: arena.free_slots() == free, "the chunks' arena runs were not given back")
         status = pair.call("target", kv.AgentStatus())
         assert isinstance(status, kv.Status) and status.staged_bytes == 0 and not status.staging_areas

@@ -485,7 +485,7 @@ class KvAgent:
         try:
             while not self._stop.is_set():
                 if arriving and (len(arriving) >= _CHUNKS_IN_FLIGHT or not arriving[-1].header.more):
-                    ack, in_step = self._finish_stage(arriving.popleft())
+                    ack, in_step = self._finish_stage(arriving)
                 else:
                     conn.settimeout(None)  # idle until the next message
                     raw = read_message(conn)
@@ -508,9 +508,13 @@ class KvAgent:
             if not self._stop.is_set():
                 logger.warning("KV agent: dropped a source connection: %s", exc)
         finally:
-            for left in arriving:  # the connection is closing mid-transfer: nothing will land
-                if left.slot is not None:
-                    self._arena.give_back(left.slot, left.header.num_blocks)
+            # Closing mid-transfer: the receives still posted go with the group, and only then
+            # are their arena runs free for other migrations (nothing can land in them after).
+            taken = [(left.slot, left.header.num_blocks) for left in arriving if left.slot is not None]
+            arriving.clear()
+            receiver.close()
+            for slot, count in taken:
+                self._arena.give_back(slot, count)
             with self._lock:
                 self._peers.discard(conn)
             conn.close()
@@ -546,13 +550,18 @@ class KvAgent:
             return _Arriving(header, slot, into, wait)
         return self._staged(header, slot, into)
 
-    def _finish_stage(self, arriving: _Arriving) -> tuple[kv.StageAck, bool]:
-        """Wait for a chunk's bytes and stage it; the ack, and whether the connection is in step."""
+    def _finish_stage(self, arriving: deque[_Arriving]) -> tuple[kv.StageAck, bool]:
+        """Wait for the oldest arriving chunk's bytes and stage it; the ack, and whether the
+        connection is in step. A chunk whose bytes did not come stays in ``arriving``: its
+        receives may still be posted, and its arena run is given back once the group is gone."""
+        oldest = arriving[0]
         try:
-            arriving.wait()
+            oldest.wait()
         except (OSError, RuntimeError, ConnectionError) as exc:
-            return self._receive_failed(arriving.header, arriving.slot, exc)
-        return self._staged(arriving.header, arriving.slot, arriving.into)
+            error = f"receive failed: {exc}"
+            return kv.StageAck(migration_id=oldest.header.migration_id, staged_blocks=0, error=error), False
+        arriving.popleft()
+        return self._staged(oldest.header, oldest.slot, oldest.into)
 
     def _receive_failed(
         self, header: kv.StageHeader, slot: int | None, exc: Exception

@@ -347,6 +347,10 @@ class Receiver:
         )
         self._group = (store, group)
 
+    def close(self) -> None:
+        """Let go of the pair group: receives still posted on it end with it."""
+        self._group = None
+
     def receive(self, header: kv.StageHeader, into: list[torch.Tensor]) -> Callable[[], None] | None:
         """Fill ``into`` (one tensor per layer) with the chunk's data. Over the connection
         (``tcp``) the data is in when this returns (``None``); over a process group the receives
