@@ -88,7 +88,8 @@ class _Arriving:
     # The staging arena's run it lands in (None: fresh tensors), and the tensors.
     slot: int | None
     into: list[torch.Tensor]
-    wait: Callable[[], None]
+    # Waits until the bytes are in (None until the receives are posted).
+    wait: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -494,10 +495,9 @@ class KvAgent:
                     if isinstance(message, kv.PairJoin):
                         receiver.join(message)
                         continue
-                    started = self._start_stage(receiver, message)
-                    if isinstance(started, _Arriving):
-                        arriving.append(started)
-                        continue
+                    started = self._start_stage(receiver, message, arriving)
+                    if started is None:
+                        continue  # on its way
                     ack, in_step = started
                 write_message(conn, ack)
                 if not in_step:
@@ -508,8 +508,9 @@ class KvAgent:
             if not self._stop.is_set():
                 logger.warning("KV agent: dropped a source connection: %s", exc)
         finally:
-            # Closing mid-transfer: the receives still posted go with the group, and only then
-            # are their arena runs free for other migrations (nothing can land in them after).
+            # Chunks left here did not come in (the connection closes mid-transfer): the
+            # receives still posted go with the group, and only then are their arena runs free
+            # for other migrations (nothing can land in them after).
             taken = [(left.slot, left.header.num_blocks) for left in arriving if left.slot is not None]
             arriving.clear()
             receiver.close()
@@ -520,11 +521,13 @@ class KvAgent:
             conn.close()
 
     def _start_stage(
-        self, receiver: Receiver, header: kv.StageHeader
-    ) -> _Arriving | tuple[kv.StageAck, bool]:
-        """Start receiving one chunk into staging: the chunk on its way (over a process group),
-        or else the ack and whether the connection is still in step (it is not once a chunk's
-        bytes could not be read)."""
+        self, receiver: Receiver, header: kv.StageHeader, arriving: deque[_Arriving]
+    ) -> tuple[kv.StageAck, bool] | None:
+        """Start receiving one chunk into staging. Over a process group the chunk joins
+        ``arriving`` with its receives posted (None comes back); otherwise the ack, and whether
+        the connection is still in step (it is not once a chunk's bytes could not be read). A
+        chunk whose receive failed stays in ``arriving``: some of its receives may be posted, and
+        its arena run is given back once the group is gone."""
         if header.bytes_per_block != self.bytes_per_block or not 0 < header.num_blocks <= _MAX_CHUNK_BLOCKS:
             error = (
                 f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here"
@@ -542,35 +545,28 @@ class KvAgent:
             into = [
                 torch.empty(shape, dtype=torch.uint8, device=self._layers[0].device) for _ in self._layers
             ]
+        chunk = _Arriving(header, slot, into)
+        arriving.append(chunk)
         try:
-            wait = receiver.receive(header, into)
+            chunk.wait = receiver.receive(header, into)
         except (OSError, RuntimeError, ConnectionError) as exc:
-            return self._receive_failed(header, slot, exc)
-        if wait is not None:
-            return _Arriving(header, slot, into, wait)
+            return _receive_failed(header, exc), False
+        if chunk.wait is not None:
+            return None
+        arriving.pop()  # in already
         return self._staged(header, slot, into)
 
     def _finish_stage(self, arriving: deque[_Arriving]) -> tuple[kv.StageAck, bool]:
         """Wait for the oldest arriving chunk's bytes and stage it; the ack, and whether the
-        connection is in step. A chunk whose bytes did not come stays in ``arriving``: its
-        receives may still be posted, and its arena run is given back once the group is gone."""
+        connection is in step. A chunk whose bytes did not come stays in ``arriving``."""
         oldest = arriving[0]
+        assert oldest.wait is not None
         try:
             oldest.wait()
         except (OSError, RuntimeError, ConnectionError) as exc:
-            error = f"receive failed: {exc}"
-            return kv.StageAck(migration_id=oldest.header.migration_id, staged_blocks=0, error=error), False
+            return _receive_failed(oldest.header, exc), False
         arriving.popleft()
         return self._staged(oldest.header, oldest.slot, oldest.into)
-
-    def _receive_failed(
-        self, header: kv.StageHeader, slot: int | None, exc: Exception
-    ) -> tuple[kv.StageAck, bool]:
-        if slot is not None:
-            self._arena.give_back(slot, header.num_blocks)
-        return kv.StageAck(
-            migration_id=header.migration_id, staged_blocks=0, error=f"receive failed: {exc}"
-        ), False
 
     def _staged(
         self, header: kv.StageHeader, slot: int | None, into: list[torch.Tensor]
@@ -617,6 +613,10 @@ class KvAgent:
                 self._give_back(self._staging.pop(migration_id))
         for migration_id in stale:
             logger.warning("freed staging of migration %s: its request never arrived", migration_id)
+
+
+def _receive_failed(header: kv.StageHeader, exc: Exception) -> kv.StageAck:
+    return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=f"receive failed: {exc}")
 
 
 def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
