@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -192,6 +193,20 @@ def _process_group(
     return dist.ProcessGroupNCCL(store, rank, 2, options)
 
 
+def _wait_all(works: list[dist.Work], device: torch.device, timeout_s: float) -> None:
+    """Return once every op of ``works`` is done with its tensors.
+
+    For gloo, ``Work.wait`` does that. For NCCL it only orders the calling thread's current
+    CUDA stream after the op, and returns before the bytes have moved: the stream is synchronized
+    too, so that a chunk is acknowledged only once it is in the target's arena and the source
+    hands its blocks back only once NCCL has read them."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for work in works:
+        work.wait(timeout)
+    if works and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def check_backend(backend: str, device: torch.device) -> None:
     """Fail at start, not mid-migration, when ``backend`` cannot carry this KV cache."""
     if backend == "tcp" and device.type != "cpu":
@@ -215,6 +230,7 @@ class Transport:
     ) -> None:
         check_backend(backend, device)
         self._backend = backend
+        self._device = device
         self._host = host
         self._chunk_bytes = chunk_bytes
         self._timeout_s = timeout_s
@@ -294,9 +310,7 @@ class Transport:
                     works += [group.send([piece], 1, tag) for tag, piece in enumerate(pieces)]
                 sent += count * per_block
                 messages += 1
-            timeout = datetime.timedelta(seconds=self._timeout_s)
-            for work in works:
-                work.wait(timeout)
+            _wait_all(works, self._device, self._timeout_s)
             for _ in range(messages):
                 ack = kv.stage_ack_decoder.decode(read_message(sock))
                 if ack.error:
@@ -363,10 +377,4 @@ class Receiver:
         if self._group is None:
             raise ConnectionError(f"no {header.via} group with this source")
         works = [self._group[1].recv([tensor], 0, tag) for tag, tensor in enumerate(into)]
-        timeout = datetime.timedelta(seconds=self._timeout_s)
-
-        def wait() -> None:
-            for work in works:
-                work.wait(timeout)
-
-        return wait
+        return functools.partial(_wait_all, works, self._device, self._timeout_s)
