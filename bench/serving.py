@@ -44,6 +44,13 @@ Per scenario and target it reports TTFT and TPOT p50/p99, output tokens/s (all o
 wall time of the scenario), requests and errors; then the fleet's overhead: TPOT p50 in % of
 vLLM's and TTFT p50 minus vLLM's in ms, against the targets (TPOT <= 5 %, TTFT <= 10 ms).
 
+The targets run minutes apart, and this machine's speed drifts by more than those targets
+between them. So last come **paired rounds** (``--paired-rounds``, 30): vLLM's server (its
+engine on core 1) and the fleet (its engine on core 0) run at once, and each round sends one
+request to each, one after the other, which goes first alternating. The fleet's overhead is
+then the median over the rounds of the two requests' difference (TTFT in ms, TPOT in %), with
+a 95 % bootstrap interval.
+
 Results: ``bench/results/serving-<timestamp>.json`` (git-ignored; summaries and every request),
 the section between ``<!-- serving:begin -->`` and ``<!-- serving:end -->`` of
 ``docs/benchmarks.md`` and the plot ``docs/img/serving_overhead.png``. ``--quick`` is a smoke run
@@ -66,6 +73,7 @@ import platform
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -142,6 +150,7 @@ class BenchConfig:
     fleet_first: bool
     write_docs: bool
     quick: bool
+    paired_rounds: int = 30
 
 
 @dataclass(frozen=True)
@@ -448,6 +457,130 @@ def delta(vllm: Summary, fleet: Summary) -> Delta:
     return Delta(scenario=vllm.scenario, tpot_overhead_pct=tpot, ttft_delta_ms=ttft)
 
 
+# ---------------------------------------------------------------- side by side, at rest
+
+
+PAIRED_VLLM_PORT = VLLM_PORT + 2
+PAIRED_VLLM_CORE = 1
+"""vLLM's server in the paired rounds binds its engine here, the fleet's engine keeps core 0:
+with both bound to core 0, vLLM's server read about 1 s more TTFT in most rounds (2026-12-04)."""
+
+
+@dataclass
+class Paired:
+    """Both targets running at once, one request at a time to each in turn (which one goes first
+    alternates by round): the two requests of a round are a second or two apart, so the
+    difference between them leaves out the drift of this machine's speed between targets run
+    one after the other."""
+
+    rounds: int
+    vllm_ttft_ms: list[float] = field(default_factory=list)
+    fleet_ttft_ms: list[float] = field(default_factory=list)
+    vllm_tpot_ms: list[float] = field(default_factory=list)
+    fleet_tpot_ms: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def ttft_diffs_ms(self) -> list[float]:
+        return [f - v for v, f in zip(self.vllm_ttft_ms, self.fleet_ttft_ms, strict=True)]
+
+    def tpot_diffs_pct(self) -> list[float]:
+        return [(f / v - 1.0) * 100.0 for v, f in zip(self.vllm_tpot_ms, self.fleet_tpot_ms, strict=True)]
+
+
+def median_interval(values: list[float], resamples: int = 4000) -> tuple[float, float, float]:
+    """The median of ``values`` and a 95 % bootstrap interval of it (seeded: a rerun of the
+    report agrees)."""
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+async def measure_paired(urls: dict[str, str], cfg: BenchConfig, rounds: int) -> Paired:
+    """``rounds`` rounds of one request to each of ``urls`` (``vllm`` and ``fleet``), after
+    ``cfg.warmup`` requests to each; every request has a fresh prompt of its own."""
+    rng = random.Random(cfg.seed + 1)
+    paired = Paired(rounds=rounds)
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    names = ["vllm", "fleet"]
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for name in names:
+            for prompt in random_prompts(rng, cfg.warmup, cfg.prompt_len):
+                await send_one(client, urls[name], prompt, cfg.output_len, 0, t0)
+        for index in range(rounds):
+            results = {}
+            for name in names if index % 2 == 0 else names[::-1]:
+                prompt = random_prompts(rng, 1, cfg.prompt_len)[0]
+                results[name] = await send_one(client, urls[name], prompt, cfg.output_len, index, t0)
+            failed = [f"{name}: {r.error}" for name, r in results.items() if not r.ok]
+            if failed:
+                paired.errors += failed
+                say(f"    [paired] round {index}: {'; '.join(failed)}")
+            else:
+                vllm, fleet = results["vllm"], results["fleet"]
+                assert vllm.ttft_ms is not None and fleet.ttft_ms is not None
+                paired.vllm_ttft_ms.append(vllm.ttft_ms)
+                paired.fleet_ttft_ms.append(fleet.ttft_ms)
+                if vllm.tpot_ms and fleet.tpot_ms is not None:
+                    paired.vllm_tpot_ms.append(vllm.tpot_ms)
+                    paired.fleet_tpot_ms.append(fleet.tpot_ms)
+            if (index + 1) % 10 == 0 or index + 1 == rounds:
+                say(
+                    f"    [paired] {index + 1}/{rounds} rounds, {len(paired.errors)} error(s), "
+                    f"{time.perf_counter() - t0:.0f} s"
+                )
+    return paired
+
+
+def run_paired(cfg: BenchConfig, run_dir: Path, rounds: int) -> Paired:
+    """Start vLLM's server (engine on core 1) and the fleet (engine on core 0) together and
+    measure ``rounds`` paired rounds."""
+    vllm = VllmServer(cfg, run_dir, port=PAIRED_VLLM_PORT, core=PAIRED_VLLM_CORE)
+    fleet = FleetTarget(cfg, run_dir / "paired-fleet")
+    started: list[Target] = []
+    say(
+        f"paired rounds: vLLM's server (engine on core {PAIRED_VLLM_CORE}) and the fleet "
+        "(engine on core 0) together ..."
+    )
+    try:
+        for target in (vllm, fleet):
+            target.start()
+            started.append(target)
+            with heartbeat(f"waiting for {target.name} to be ready"):
+                target.wait_ready(cfg.start_timeout_s)
+            say(f"  {target.name} ready")
+        urls = {"vllm": vllm.base_url + "/v1/completions", "fleet": fleet.base_url + "/v1/completions"}
+        return asyncio.run(measure_paired(urls, cfg, rounds))
+    finally:
+        for target in reversed(started):
+            target.stop()
+        say("  both stopped")
+
+
+def paired_table(paired: Paired) -> str:
+    """The paired rounds' medians and the fleet's difference, against the targets."""
+    if not paired.vllm_ttft_ms:
+        return "No paired round completed."
+    ttft, ttft_lo, ttft_hi = median_interval(paired.ttft_diffs_ms())
+    rows = [
+        "| measure | vLLM's server | fleet | fleet - vLLM, median of the rounds [95 % interval] | target |",
+        "|---|--:|--:|--:|--:|",
+        f"| TTFT p50 | {statistics.median(paired.vllm_ttft_ms):.1f} ms | "
+        f"{statistics.median(paired.fleet_ttft_ms):.1f} ms | "
+        f"{ttft:+.1f} ms [{ttft_lo:+.1f}, {ttft_hi:+.1f}] | "
+        f"<= {TTFT_TARGET_MS:g} ms **{verdict(ttft <= TTFT_TARGET_MS)}** |",
+    ]
+    if paired.vllm_tpot_ms:
+        tpot, tpot_lo, tpot_hi = median_interval(paired.tpot_diffs_pct())
+        rows.append(
+            f"| TPOT p50 | {statistics.median(paired.vllm_tpot_ms):.2f} ms | "
+            f"{statistics.median(paired.fleet_tpot_ms):.2f} ms | "
+            f"{tpot:+.1f} % [{tpot_lo:+.1f}, {tpot_hi:+.1f}] | "
+            f"<= {TPOT_TARGET_PCT:g} % **{verdict(tpot <= TPOT_TARGET_PCT)}** |"
+        )
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------- targets
 
 
@@ -501,10 +634,10 @@ class VllmServer:
 
     name = "vllm"
 
-    def __init__(self, cfg: BenchConfig, run_dir: Path, port: int = VLLM_PORT) -> None:
-        self.cfg, self.port = cfg, port
+    def __init__(self, cfg: BenchConfig, run_dir: Path, port: int = VLLM_PORT, core: int = 0) -> None:
+        self.cfg, self.port, self.core = cfg, port, core
         self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = run_dir / "vllm-server.log"
+        self.log_path = run_dir / f"vllm-server-{port}.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -532,7 +665,12 @@ class VllmServer:
     def start(self) -> None:
         if not port_free(self.port):
             raise RuntimeError(f"port {self.port} is taken; is another benchmark running?")
-        env = {**os.environ, **ENGINE_ENV, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **ENGINE_ENV,
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            "PYTHONUNBUFFERED": "1",
+        }
         # The fleet's engines preload tcmalloc into vLLM's processes where it is installed.
         tcmalloc.preload(env, tcmalloc.installed())
         say(f"  command: {' '.join(self.command())} (log {self.log_path})")
@@ -831,9 +969,11 @@ def results_payload(
     runs: dict[str, TargetRun],
     summaries: list[Summary],
     deltas: list[Delta],
+    paired: Paired | None,
 ) -> dict[str, Any]:
     """Everything of the run for ``bench/results/serving-<timestamp>.json``, every request included."""
     return {
+        "paired": dataclasses.asdict(paired) if paired is not None else None,
         "config": config_json(cfg),
         "machine": machine,
         "total_s": total_s,
@@ -863,6 +1003,7 @@ def markdown_section(
     plot_path: Path,
     total_s: float,
     router_cpu: str = "",
+    paired: Paired | None = None,
 ) -> str:
     rel_results = results_path.relative_to(ROOT)
     rel_plot = os.path.relpath(plot_path, DOCS_FILE.parent)
@@ -909,6 +1050,7 @@ def markdown_section(
         "",
         deltas_table(deltas),
         "",
+        *paired_section(cfg, paired),
         "**CPU per output token of the process in front of the engine** (its user + system time "
         "over the scenarios, warm-up left out):",
         "",
@@ -936,6 +1078,26 @@ def markdown_section(
         END,
     ]
     return "\n".join(lines)
+
+
+def paired_section(cfg: BenchConfig, paired: Paired | None) -> list[str]:
+    """The paired rounds' lines of the docs section (none when the run had none)."""
+    if paired is None:
+        return []
+    errors = f" {len(paired.errors)} round(s) had an error and are left out." if paired.errors else ""
+    return [
+        f"**Side by side, at rest.** The scenarios above run the targets one after the other, and "
+        "this machine's speed drifts between them by more than the targets allow (the notes below "
+        "the section). Here vLLM's server and the fleet run at once, vLLM's engine on core "
+        f"{PAIRED_VLLM_CORE} and the fleet's on core 0, and get {paired.rounds} rounds of one "
+        "request each (which goes first alternates), every request with a fresh prompt of "
+        f"{cfg.prompt_len} tokens and {cfg.output_len} output tokens, after {cfg.warmup} warm-up "
+        "requests each: the two requests of a round are a second or two apart, and their "
+        f"difference leaves the drift out.{errors}",
+        "",
+        paired_table(paired),
+        "",
+    ]
 
 
 def results_table(summaries: list[Summary]) -> str:
@@ -1083,6 +1245,12 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--fleet-first", action="store_true", help="measure the fleet before vLLM's server")
     parser.add_argument("--no-docs", action="store_true", help="write only the JSON results and a plot there")
     parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=30,
+        help="rounds of one request to vLLM's server and one to the fleet, both running (30; 0: none)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="smoke run: 8 requests, concurrency 4, 4 req/s, 2 warm-up; implies --no-docs",
@@ -1090,12 +1258,15 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.concurrency, args.rate, args.warmup = 8, 4, 4.0, 2
+        args.paired_rounds = min(args.paired_rounds, 4)
     if not (args.model / "config.json").exists():
         parser.error(f"no model at {args.model}; `make models` builds it")
     if min(args.requests, args.concurrency, args.warmup, args.prompt_len) < 1 or args.output_len < 2:
         parser.error("requests, concurrency, warm-up and prompt length must be >= 1, output length >= 2")
     if args.rate <= 0:
         parser.error("--rate must be > 0")
+    if args.paired_rounds < 0:
+        parser.error("--paired-rounds must be >= 0")
     return BenchConfig(
         model_path=args.model.resolve(),
         requests=args.requests,
@@ -1110,6 +1281,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
         fleet_first=args.fleet_first,
         write_docs=not (args.no_docs or args.quick),
         quick=args.quick,
+        paired_rounds=args.paired_rounds,
     )
 
 
@@ -1132,13 +1304,14 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.fleet_first:
         targets.reverse()
     runs = {t.name: run_target(t, cfg, warmup, scenarios) for t in targets}
+    paired = run_paired(cfg, run_dir, cfg.paired_rounds) if cfg.paired_rounds else None
 
     summaries = [s for name in TARGETS for s in runs[name].summaries]
     summaries.sort(key=lambda s: ([sc.name for sc in scenarios].index(s.scenario), TARGETS.index(s.target)))
     deltas = [delta(v, f) for v, f in zip(runs["vllm"].summaries, runs["fleet"].summaries, strict=True)]
     total_s = time.monotonic() - started
     results_path = RESULTS_DIR / f"serving-{stamp}.json"
-    write_json(results_path, results_payload(cfg, machine, total_s, runs, summaries, deltas))
+    write_json(results_path, results_payload(cfg, machine, total_s, runs, summaries, deltas, paired))
     plot_path = PLOT_FILE if cfg.write_docs else results_path.with_suffix(".png")
     plot(
         summaries,
@@ -1151,6 +1324,9 @@ def main(argv: list[str] | None = None) -> None:
     say("")
     say(deltas_table(deltas))
     say("")
+    if paired is not None:
+        say(paired_table(paired))
+        say("")
     say(router_cpu_table(runs))
     say("")
     say(load_note(cfg, summaries))
@@ -1168,6 +1344,7 @@ def main(argv: list[str] | None = None) -> None:
                 plot_path,
                 total_s,
                 router_cpu_table(runs),
+                paired,
             )
         )
         say(f"wrote {DOCS_FILE.relative_to(ROOT)} and {plot_path.relative_to(ROOT)}")
