@@ -1304,7 +1304,11 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.fleet_first:
         targets.reverse()
     runs = {t.name: run_target(t, cfg, warmup, scenarios) for t in targets}
-    paired = run_paired(cfg, run_dir, cfg.paired_rounds) if cfg.paired_rounds else None
+    paired = None
+    if cfg.paired_rounds and not {0, PAIRED_VLLM_CORE} <= os.sched_getaffinity(0):
+        say(f"no paired rounds: they need cores 0 and {PAIRED_VLLM_CORE}, and this process may not use both")
+    elif cfg.paired_rounds:
+        paired = run_paired(cfg, run_dir, cfg.paired_rounds)
 
     summaries = [s for name in TARGETS for s in runs[name].summaries]
     summaries.sort(key=lambda s: ([sc.name for sc in scenarios].index(s.scenario), TARGETS.index(s.target)))
