@@ -339,7 +339,9 @@ def bench_fleet(max_model_len: int, pace: str = "0") -> FleetConfig:
     )
 
 
-def stall(cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int) -> list[dict[str, Any]]:
+def stall(
+    cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int, modes: list[str]
+) -> list[dict[str, Any]]:
     rows = []
     rng = random.Random(0)
     # Not measured: two moves of the longest context first, so that no measured move
@@ -347,7 +349,7 @@ def stall(cfg: FleetConfig, contexts: list[int], repeats: int, move_after: int) 
     for _ in range(2):
         stall_once(cfg, max(contexts), "precopy", move_after, rng)
     for context in contexts:
-        for mode in MODES:
+        for mode in modes:
             for i in range(repeats):
                 for _ in range(5):
                     row = stall_once(cfg, context, mode, move_after, rng)
@@ -745,6 +747,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8000])
     parser.add_argument("--stall-repeats", type=int, default=3)
+    parser.add_argument(
+        "--stall-modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="the ways of moving the stall section measures (all of them by default)",
+    )
     parser.add_argument("--move-after", type=int, default=16)
     parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--slowdown-moves", type=int, default=24, help="measured moves per context and pace")
@@ -760,6 +769,8 @@ def main() -> None:
     parser.add_argument("--skip-bandwidth", action="store_true")
     parser.add_argument("--no-docs", action="store_true", help="print the results, leave the docs alone")
     args = parser.parse_args()
+    if set(args.stall_modes) != set(MODES) and not (args.no_docs or args.skip_stall):
+        parser.error("--stall-modes with some of the modes needs --no-docs (the docs' table has them all)")
     started = time.monotonic()
     stalls: list[dict[str, Any]] = []
     slow: list[dict[str, Any]] = []
@@ -778,7 +789,7 @@ def main() -> None:
             fleet.wait_ready(timeout_s=600)
             ready = ready or time.monotonic() - began
             if index == 0 and not args.skip_stall:
-                stalls = stall(cfg, args.contexts, args.stall_repeats, args.move_after)
+                stalls = stall(cfg, args.contexts, args.stall_repeats, args.move_after, args.stall_modes)
             if not args.skip_slowdown:
                 say(f"slowdown: pre-copy pace {pace_label(pace)}")
                 rows = slowdown(
