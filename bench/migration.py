@@ -71,7 +71,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from report import update_section  # noqa: E402
+from report import bootstrap_interval, update_section  # noqa: E402
 
 from shoal_engine.kv.agent import KvAgent, TableUpdate  # noqa: E402
 from shoal_fleet.launcher import Fleet, FleetConfig  # noqa: E402
@@ -516,14 +516,6 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
-def mean_interval(values: list[float], resamples: int = 4000) -> tuple[float, float, float]:
-    """The mean of ``values`` and a 95 % bootstrap interval of it (percentiles of the means of
-    ``resamples`` draws with replacement; a fixed seed, so a rerun of the report agrees)."""
-    draw = random.Random(0)
-    means = sorted(statistics.fmean(draw.choices(values, k=len(values))) for _ in range(resamples))
-    return statistics.fmean(values), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-
-
 def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per context: the pooled mean gaps, and the slowdown as the mean over the pairs of (mean gap
     while moving / mean gap just before - 1), with its 95 % interval. Pairs leave the machine's
@@ -538,7 +530,7 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{side}_still_ms"] = _mean([g for p in kept for g in p[f"{side}_still"]])
             ratios = [_mean(p[f"{side}_moving"]) / _mean(p[f"{side}_still"]) - 1 for p in kept]
             row[f"{side}_slowdown"], row[f"{side}_low"], row[f"{side}_high"] = (
-                mean_interval(ratios) if ratios else (float("nan"),) * 3
+                bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
             )
         out.append(row)
     return out

@@ -1,7 +1,10 @@
-"""Writing a benchmark's section into ``docs/benchmarks.md``, between its own markers."""
+"""Writing a benchmark's section into ``docs/benchmarks.md``, between its own markers, and the
+bootstrap interval the sections quote."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,3 +34,14 @@ def publish(section: str, begin: str, end: str, print_only: bool) -> None:
     if not print_only:
         update_section(section, begin, end)
         print(f"wrote {DOCS.relative_to(ROOT)}")
+
+
+def bootstrap_interval(
+    values: Sequence[float], statistic: Callable[[Sequence[float]], float], resamples: int = 4000
+) -> tuple[float, float, float]:
+    """``statistic`` of ``values`` and a 95 % bootstrap interval of it (percentiles of the
+    statistic over ``resamples`` draws with replacement; a fixed seed, so a rerun of the report
+    agrees)."""
+    draw = random.Random(0)
+    drawn = sorted(statistic(draw.choices(values, k=len(values))) for _ in range(resamples))
+    return statistic(values), drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]

@@ -90,7 +90,7 @@ import httpx
 import numpy as np
 import psutil
 from relay import vllm_router_binary
-from report import update_section
+from report import bootstrap_interval, update_section
 
 from shoal_engine import tcmalloc
 from shoal_fleet.launcher import Fleet, FleetConfig
@@ -479,20 +479,13 @@ class Paired:
     vllm_tpot_ms: list[float] = field(default_factory=list)
     fleet_tpot_ms: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    """One line per round left out for an error."""
 
     def ttft_diffs_ms(self) -> list[float]:
         return [f - v for v, f in zip(self.vllm_ttft_ms, self.fleet_ttft_ms, strict=True)]
 
     def tpot_diffs_pct(self) -> list[float]:
         return [(f / v - 1.0) * 100.0 for v, f in zip(self.vllm_tpot_ms, self.fleet_tpot_ms, strict=True)]
-
-
-def median_interval(values: list[float], resamples: int = 4000) -> tuple[float, float, float]:
-    """The median of ``values`` and a 95 % bootstrap interval of it (seeded: a rerun of the
-    report agrees)."""
-    draw = random.Random(0)
-    medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
-    return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 async def measure_paired(urls: dict[str, str], cfg: BenchConfig, rounds: int) -> Paired:
@@ -514,8 +507,8 @@ async def measure_paired(urls: dict[str, str], cfg: BenchConfig, rounds: int) ->
                 results[name] = await send_one(client, urls[name], prompt, cfg.output_len, index, t0)
             failed = [f"{name}: {r.error}" for name, r in results.items() if not r.ok]
             if failed:
-                paired.errors += failed
-                say(f"    [paired] round {index}: {'; '.join(failed)}")
+                paired.errors.append(f"round {index}: {'; '.join(failed)}")
+                say(f"    [paired] {paired.errors[-1]}")
             else:
                 vllm, fleet = results["vllm"], results["fleet"]
                 assert vllm.ttft_ms is not None and fleet.ttft_ms is not None
@@ -561,7 +554,7 @@ def paired_table(paired: Paired) -> str:
     """The paired rounds' medians and the fleet's difference, against the targets."""
     if not paired.vllm_ttft_ms:
         return "No paired round completed."
-    ttft, ttft_lo, ttft_hi = median_interval(paired.ttft_diffs_ms())
+    ttft, ttft_lo, ttft_hi = bootstrap_interval(paired.ttft_diffs_ms(), statistics.median)
     rows = [
         "| measure | vLLM's server | fleet | fleet - vLLM, median of the rounds [95 % interval] | target |",
         "|---|--:|--:|--:|--:|",
@@ -571,7 +564,7 @@ def paired_table(paired: Paired) -> str:
         f"<= {TTFT_TARGET_MS:g} ms **{verdict(ttft <= TTFT_TARGET_MS)}** |",
     ]
     if paired.vllm_tpot_ms:
-        tpot, tpot_lo, tpot_hi = median_interval(paired.tpot_diffs_pct())
+        tpot, tpot_lo, tpot_hi = bootstrap_interval(paired.tpot_diffs_pct(), statistics.median)
         rows.append(
             f"| TPOT p50 | {statistics.median(paired.vllm_tpot_ms):.2f} ms | "
             f"{statistics.median(paired.fleet_tpot_ms):.2f} ms | "
