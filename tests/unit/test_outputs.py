@@ -334,3 +334,63 @@ def test_a_delta_keeps_when_its_oldest_tokens_reached_the_router() -> None:
     assert delta.token_ids == [2, 3] and delta.arrived == 12.0
     collector.fail(PieceError("engine_lost", "gone", retryable=True))
     assert take(collector).arrived == 0.0
+
+
+async def test_push_takes_the_output_while_the_reader_waits_and_never_the_last_piece() -> None:
+    collector = RequestOutputCollector(RID)
+    pushed: list[RequestDelta] = []
+    reader = asyncio.create_task(collector.get())
+    await asyncio.sleep(0)
+    collector.push = pushed.append
+
+    collector.put("e0", piece(0, [0, 1]))
+    collector.put("e0", piece(2, [2]))
+    assert [delta.token_ids for delta in pushed] == [[0, 1], [2]]
+    await asyncio.sleep(0)
+    assert not reader.done()
+
+    collector.put("e0", piece(3, [3], finish_reason=FinishReason.STOP))
+    delta = await asyncio.wait_for(reader, timeout=5)
+    assert delta.token_ids == [3] and delta.finished
+    assert collector.token_ids == [0, 1, 2, 3]
+
+
+async def test_with_a_ready_list_the_pieces_before_a_flush_go_out_as_one() -> None:
+    collector = RequestOutputCollector(RID)
+    pushed: list[RequestDelta] = []
+    ready: list[RequestOutputCollector] = []
+    collector.ready = ready
+    reader = asyncio.create_task(collector.get())
+    await asyncio.sleep(0)
+    collector.push = pushed.append
+
+    collector.put("e0", piece(0, [0]))
+    collector.put("e0", piece(1, [1]))
+    assert pushed == [] and ready == [collector]  # listed once
+    collector.flush()
+    assert [delta.token_ids for delta in pushed] == [[0, 1]]
+    assert [delta.text for delta in pushed] == ["ab"]
+
+    # Listed, and then the push stepped aside (its client is behind): the flush wakes the reader.
+    collector.put("e0", piece(2, [2]))
+    collector.push = None
+    collector.flush()
+    delta = await asyncio.wait_for(reader, timeout=5)
+    assert delta.token_ids == [2]
+    assert len(pushed) == 1
+
+
+async def test_a_flush_after_the_reader_woke_leaves_the_output_to_it() -> None:
+    collector = RequestOutputCollector(RID)
+    pushed: list[RequestDelta] = []
+    collector.ready = []
+    reader = asyncio.create_task(collector.get())
+    await asyncio.sleep(0)
+    collector.push = pushed.append
+
+    collector.put("e0", piece(0, [0]))
+    collector.put("e0", piece(1, [1], finish_reason=FinishReason.LENGTH))  # wakes the reader
+    collector.flush()
+    assert pushed == []
+    delta = await asyncio.wait_for(reader, timeout=5)
+    assert delta.token_ids == [0, 1] and delta.finished

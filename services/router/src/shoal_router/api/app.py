@@ -11,7 +11,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 import msgspec
@@ -319,6 +320,90 @@ def with_server_send(app: ASGIApp) -> ASGIApp:
     return outermost
 
 
+class _Resumed:
+    """An awaitable that finishes a coroutine whose first step suspended (what ``yield from``
+    does with it, for a coroutine that was started by hand)."""
+
+    def __init__(self, coro: Coroutine[Any, Any, None], awaiting: Any) -> None:
+        self._coro, self._awaiting = coro, awaiting
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        coro, awaiting = self._coro, self._awaiting
+        while True:
+            thrown: BaseException | None = None
+            sent = None
+            try:
+                sent = yield awaiting
+            except BaseException as exc:  # handed to the coroutine, as yield from does
+                thrown = exc
+            try:
+                awaiting = coro.send(sent) if thrown is None else coro.throw(thrown)
+            except StopIteration:
+                return
+
+
+class _Pusher:
+    """Writes a stream's events from the ingest task, as the engine's tokens come in, while the
+    stream's own task waits for them (``RequestOutputCollector.push``).
+
+    The ASGI ``send`` of a body chunk returns without suspending while the client keeps up
+    (uvicorn writes to the socket and waits only when its buffer is over the high-water mark),
+    so ``push`` starts it by hand and is done when it returns. When it suspends, the client is
+    behind: ``push`` lets a task finish that write and removes itself, so the tokens that come
+    next wait in the mailbox and merge, as they do without it; the stream's task waits for that
+    write before it writes again (``settle``) and puts ``push`` back after (``resume``)."""
+
+    def __init__(self, handle: GenerationHandle, events: SseEvents, send: Send, relay_delay: Any) -> None:
+        self._handle, self._events, self._send, self._relay_delay = handle, events, send, relay_delay
+        self._collector = handle.collector
+        self._writing: asyncio.Task[None] | None = None
+        self._failed: BaseException | None = None
+
+    def push(self, delta: RequestDelta) -> None:
+        try:
+            self._write(delta)
+        except Exception as exc:  # the ingest task goes on; the stream's task raises it (``settle``)
+            self._failed = exc
+            self._collector.push = None
+
+    def _write(self, delta: RequestDelta) -> None:
+        self._handle.observe(delta)
+        data = self._events.event(delta)
+        if delta.arrived:
+            self._relay_delay.observe(time.perf_counter() - delta.arrived)
+        write = self._send({"type": "http.response.body", "body": data, "more_body": True})
+        if not isinstance(write, types.CoroutineType):  # a server whose send is some other awaitable
+            self._collector.push = None
+            self._writing = asyncio.ensure_future(write)
+            return
+        try:
+            awaiting = write.send(None)
+        except StopIteration:
+            return
+        # The write waits for the client: a task finishes it, and the mailbox takes what comes.
+        self._collector.push = None
+        self._writing = asyncio.ensure_future(_Resumed(write, awaiting))
+
+    async def settle(self) -> None:
+        """Wait for a pushed write still in progress; raise what a pushed write raised."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            await writing
+        if self._failed is not None:
+            raise self._failed
+
+    def resume(self) -> None:
+        self._collector.push = self.push
+
+    def stop(self) -> None:
+        self._collector.push = None
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.cancel()
+            if writing.done() and not writing.cancelled():
+                writing.exception()  # a write that failed as the stream ended: nothing to tell
+
+
 class _EventStream(StreamingResponse):
     """A streamed SSE response whose events go straight to the server's ``send``
     (``with_server_send``), or else to the one the gate was given.
@@ -326,18 +411,37 @@ class _EventStream(StreamingResponse):
     Between the server and the route, Starlette's error middleware, its two exception handlers
     and the gate's counter each wrap ``send``, and each acts only on the response's start;
     passing every event through them cost about 1 us of the router's CPU per event. The start
-    and the end of the response still go through them."""
+    and the end of the response still go through them.
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str], body_send: Send | None) -> None:
+    With ``pusher``, the events between the first and the last are mostly written by the
+    ingest task as they come (``_Pusher``); the rest come from ``events``."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        headers: dict[str, str],
+        body_send: Send | None,
+        pusher: Callable[[Send], _Pusher] | None = None,
+    ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
         self._body_send = body_send
+        self._pusher = pusher
 
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         direct = self._body_send or send
-        async for event in self._events:
-            await direct({"type": "http.response.body", "body": event, "more_body": True})
+        pusher = self._pusher(direct) if self._pusher is not None else None
+        try:
+            async for event in self._events:
+                if pusher is not None:
+                    await pusher.settle()
+                await direct({"type": "http.response.body", "body": event, "more_body": True})
+                if pusher is not None:
+                    pusher.resume()
+        finally:
+            if pusher is not None:
+                pusher.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -507,10 +611,18 @@ def create_app(
             return Response(status_code=499)
         response_id = ("chatcmpl-" if chat else "cmpl-") + handle.request_id.rsplit("-", 1)[-1]
         if body.stream:
+            events = SseEvents(
+                response_id,
+                body.model,
+                chat=chat,
+                include_usage=body.include_usage,
+                prompt_token_ids=handle.prompt_token_ids if body.return_token_ids else None,
+            )
             return _EventStream(
-                _stream(handle, body, first, deltas, response_id, chat),
+                _stream(handle, body, first, deltas, events),
                 headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id, REQUEST_HEADER: handle.request_id},
                 body_send=getattr(request.state, "body_send", None),
+                pusher=lambda send: _Pusher(handle, events, send, metrics.relay_delay),
             )
         return await _collect(request, handle, body, first, deltas, response_id, chat)
 
@@ -519,16 +631,8 @@ def create_app(
         body: CompletionRequest | ChatCompletionRequest,
         first: RequestDelta,
         deltas: AsyncIterator[RequestDelta],
-        response_id: str,
-        chat: bool,
+        events: SseEvents,
     ) -> AsyncIterator[bytes]:
-        events = SseEvents(
-            response_id,
-            body.model,
-            chat=chat,
-            include_usage=body.include_usage,
-            prompt_token_ids=handle.prompt_token_ids if body.return_token_ids else None,
-        )
         try:
             relay_delay, clock = metrics.relay_delay, time.perf_counter
             data = events.first(first)

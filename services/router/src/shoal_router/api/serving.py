@@ -301,11 +301,11 @@ class GenerationHandle:
                             engine_id=delta.engine_id,
                             arrived=delta.arrived,
                         )
-                        self._observe(tokens_first)
+                        self.observe(tokens_first)
                         yield tokens_first
                     self._continue_elsewhere(error)
                     continue
-                self._observe(delta)
+                self.observe(delta)
                 if delta.finished:
                     self._finish(delta)
                     if delta.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
@@ -351,7 +351,8 @@ class GenerationHandle:
         else:
             gen.metrics.dispatch_retries.inc()
 
-    def _observe(self, delta: RequestDelta) -> None:
+    def observe(self, delta: RequestDelta) -> None:
+        """Count output handed to the client: TTFT, gaps, tokens, and a move between engines."""
         count = len(delta.token_ids)
         if not count:
             return

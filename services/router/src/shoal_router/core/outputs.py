@@ -12,6 +12,16 @@ The reader (the HTTP handler) takes everything that arrived since its last read 
 slow client gets bigger chunks instead of an ever longer queue: the mailbox has one slot, as
 vLLM's ``RequestOutputCollector`` does.
 
+A streaming reader may also install ``push``: while it waits in ``get`` with nothing unread,
+pieces with tokens (neither the last nor an error) go to ``push`` from the ingest task instead
+of waking the reader's task. That is what most pieces of a stream are, and waking a task for
+each one cost the router more than writing it (``docs/benchmarks.md``, relay). With a ``ready``
+list (the ingest task's), such a piece waits in the mailbox and the collector joins the list;
+the ingest task calls ``flush`` once it has taken every batch that was waiting, so the pieces
+of several batches go out as one delta. ``push`` takes its delta whole; it removes itself
+(``push = None``) when it cannot go on writing (its client is behind), and the mailbox then
+fills and wakes the reader as before.
+
 The collector also keeps the token ids it delivered and the newest ownership generation it saw:
 when the request's engine dies, they are what another engine needs to continue the request
 (``reopen`` then readies the collector for the new engine's pieces).
@@ -20,6 +30,7 @@ when the request's engine dies, they are what another engine needs to continue t
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal_protos.messages import FinishReason, PieceError, RequestPiece
@@ -60,6 +71,11 @@ class RequestOutputCollector:
         # The reader's wake-up while it waits in ``get`` (a bare future: an ``asyncio.Event``
         # costs more per token, and there is only ever one reader).
         self._waiter: asyncio.Future[None] | None = None
+        # Set by a streaming reader: takes the new output while the reader waits (above).
+        self.push: Callable[[RequestDelta], None] | None = None
+        # The ingest task's list of collectors to ``flush`` (None: push at once).
+        self.ready: list[RequestOutputCollector] | None = None
+        self._in_ready = False
 
     def put(self, engine_id: str, piece: RequestPiece, arrived: float = 0.0) -> None:
         """Take a piece from ``engine_id`` that reached the router at ``arrived``
@@ -127,7 +143,30 @@ class RequestOutputCollector:
             self.finished = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
+            if self.push is not None and not self.finished and pending.token_ids:
+                # The reader has read everything else and waits: hand this on without it.
+                ready = self.ready
+                if ready is None:
+                    self.flush()
+                elif not self._in_ready:
+                    self._in_ready = True
+                    ready.append(self)
+                return
             waiter.set_result(None)
+
+    def flush(self) -> None:
+        """Hand what waits in the mailbox to ``push``, or else to the reader, if the reader
+        waits for it."""
+        self._in_ready = False
+        waiter = self._waiter
+        if self._pending is None or waiter is None or waiter.done():
+            return  # nothing new, or the reader is up and takes it
+        push = self.push
+        if push is None:
+            waiter.set_result(None)
+            return
+        pending, self._pending = self._pending, None
+        push(pending)
 
     def get_nowait(self) -> RequestDelta | None:
         delta, self._pending = self._pending, None

@@ -9,7 +9,10 @@ One task reads the PULL socket, decodes each batch and hands every piece to its 
 collector (from the engine that owns the request; a piece with a higher ownership generation
 says the request moved, and its owner becomes the engine that serves it and receives its
 ABORT), yielding to the loop every ``_CHUNK`` pieces so that a burst of large batches does not
-starve the HTTP handlers (``AsyncLLM``'s output handler does the same). Sends never block the
+starve the HTTP handlers (``AsyncLLM``'s output handler does the same). It takes every batch
+already waiting on the socket (up to ``_DRAIN_PIECES`` pieces) before it flushes the collectors
+whose streams write as tokens come (``RequestOutputCollector.push``): a router that falls
+behind writes a stream's tokens of several engine steps as one event. Sends never block the
 loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the request is
 answered 503 instead of being queued without bound.
 
@@ -53,6 +56,9 @@ from shoal_router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 _CHUNK = 256
+_OUTPUTS_TAG = FrameType.OUTPUTS.value
+# At most this many pieces are taken from waiting batches before the collectors are flushed.
+_DRAIN_PIECES = 2048
 # How long a closing engine socket may still deliver queued ABORTs, in ms.
 _ABORT_LINGER_MS = 200
 
@@ -104,6 +110,8 @@ class EngineClient:
         self._encoder = RouterRequestEncoder()
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._requests: dict[str, _Tracked] = {}
+        # Collectors with output for a stream that waits for it (flushed by the ingest task).
+        self._ready: list[RequestOutputCollector] = []
         self._pull = ctx.socket(zmq.PULL)
         if curve_keys is not None:
             curve.serve(self._pull, curve_keys)
@@ -172,6 +180,7 @@ class EngineClient:
                 f"engine {engine_id} is not taking requests fast enough; retry later",
                 code="engine_overloaded",
             ) from None
+        collector.ready = self._ready
         self._requests[request.request_id] = _Tracked(collector, engine_id, request.generation)
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -227,34 +236,44 @@ class EngineClient:
 
     async def ingest_forever(self) -> None:
         decoder = msgspec.msgpack.Decoder(OutputBatch)
-        outputs_tag = FrameType.OUTPUTS.value
-        requests = self._requests
-        batch_seconds = self._metrics.batch if self._metrics is not None else None
-        pieces_taken = self._metrics.batch_pieces if self._metrics is not None else None
+        pull, ready = self._pull, self._ready
         while True:
-            frames = await self._pull.recv_multipart(copy=False)
-            started = time.perf_counter()
-            if len(frames) != 2 or frames[0].bytes != outputs_tag:
-                logger.warning("dropping unexpected message from an engine")
-                continue
-            try:
-                batch = decoder.decode(frames[1].buffer)
-            except msgspec.DecodeError as exc:
-                logger.warning("dropping undecodable output batch: %s", exc)
-                continue
-            for i, piece in enumerate(batch.pieces):
-                tracked = requests.get(piece.request_id)
-                if (
-                    tracked is not None
-                    and _owned(tracked, batch.engine_id, piece)
-                    and (piece.token_ids or piece.finish_reason is not None)
-                ):
-                    tracked.collector.put(batch.engine_id, piece, started)
-                if i and i % _CHUNK == 0:
-                    await asyncio.sleep(0)
-            if batch_seconds is not None and pieces_taken is not None:
-                batch_seconds.observe(time.perf_counter() - started)
-                pieces_taken.inc(len(batch.pieces))
+            taken = await self._take(await pull.recv_multipart(copy=False), decoder)
+            # Batches that came meanwhile: their pieces join the same flush.
+            while taken < _DRAIN_PIECES and pull.get(zmq.EVENTS) & zmq.POLLIN:
+                taken += await self._take(await pull.recv_multipart(copy=False), decoder)
+            if ready:
+                flushing = ready[:]
+                ready.clear()  # the collectors hold this list: cleared in place
+                for collector in flushing:
+                    collector.flush()
+
+    async def _take(self, frames: list[zmq.Frame], decoder: msgspec.msgpack.Decoder[OutputBatch]) -> int:
+        """Hand one engine batch's pieces to their collectors; returns how many pieces it had."""
+        started = time.perf_counter()
+        if len(frames) != 2 or frames[0].bytes != _OUTPUTS_TAG:
+            logger.warning("dropping unexpected message from an engine")
+            return 0
+        try:
+            batch = decoder.decode(frames[1].buffer)
+        except msgspec.DecodeError as exc:
+            logger.warning("dropping undecodable output batch: %s", exc)
+            return 0
+        requests = self._requests
+        for i, piece in enumerate(batch.pieces):
+            tracked = requests.get(piece.request_id)
+            if (
+                tracked is not None
+                and _owned(tracked, batch.engine_id, piece)
+                and (piece.token_ids or piece.finish_reason is not None)
+            ):
+                tracked.collector.put(batch.engine_id, piece, started)
+            if i and i % _CHUNK == 0:
+                await asyncio.sleep(0)
+        if self._metrics is not None:
+            self._metrics.batch.observe(time.perf_counter() - started)
+            self._metrics.batch_pieces.inc(len(batch.pieces))
+        return len(batch.pieces)
 
     async def aclose(self) -> None:
         for task in self._monitors.values():
