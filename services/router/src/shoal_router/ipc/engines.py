@@ -249,16 +249,17 @@ class EngineClient:
                     collector.flush()
 
     async def _take(self, frames: list[zmq.Frame], decoder: msgspec.msgpack.Decoder[OutputBatch]) -> int:
-        """Hand one engine batch's pieces to their collectors; returns how many pieces it had."""
+        """Hand one engine batch's pieces to their collectors; returns how many pieces it had
+        (1 for a message dropped, so that a flood of them still ends a drain)."""
         started = time.perf_counter()
         if len(frames) != 2 or frames[0].bytes != _OUTPUTS_TAG:
             logger.warning("dropping unexpected message from an engine")
-            return 0
+            return 1
         try:
             batch = decoder.decode(frames[1].buffer)
         except msgspec.DecodeError as exc:
             logger.warning("dropping undecodable output batch: %s", exc)
-            return 0
+            return 1
         requests = self._requests
         for i, piece in enumerate(batch.pieces):
             tracked = requests.get(piece.request_id)
@@ -273,7 +274,7 @@ class EngineClient:
         if self._metrics is not None:
             self._metrics.batch.observe(time.perf_counter() - started)
             self._metrics.batch_pieces.inc(len(batch.pieces))
-        return len(batch.pieces)
+        return max(1, len(batch.pieces))
 
     async def aclose(self) -> None:
         for task in self._monitors.values():
