@@ -56,9 +56,17 @@ async def _reader(collector: RequestOutputCollector, got: list[RequestDelta]) ->
         got.append(await collector.get())
 
 
-def _pusher(handle: _Handle, send: Any) -> _Pusher:
+async def _waiting_stream(
+    handle: _Handle, send: Any, got: list[RequestDelta]
+) -> tuple[_Pusher, asyncio.Task[None]]:
+    """A pusher over ``send`` lent to a stream whose reader (the task returned) waits for
+    tokens, putting what it reads in ``got``."""
     events = SseEvents("cmpl-1", MODEL, chat=False, include_usage=False, prompt_token_ids=None)
-    return _Pusher(handle, events, send, RouterMetrics().relay_delay)  # type: ignore[arg-type]
+    pusher = _Pusher(handle, events, send, RouterMetrics().relay_delay)  # type: ignore[arg-type]
+    reader = asyncio.create_task(_reader(handle.collector, got))
+    await until(lambda: handle.collector._waiter is not None)
+    pusher.resume()
+    return pusher, reader
 
 
 async def test_a_waiting_stream_is_written_by_the_put_itself() -> None:
@@ -67,11 +75,8 @@ async def test_a_waiting_stream_is_written_by_the_put_itself() -> None:
     async def send(message: dict[str, Any]) -> None:
         written.append(_text(message["body"]))
 
-    pusher = _pusher(handle, send)
     got: list[RequestDelta] = []
-    reader = asyncio.create_task(_reader(handle.collector, got))
-    await until(lambda: handle.collector._waiter is not None)
-    pusher.resume()
+    _, reader = await _waiting_stream(handle, send, got)
 
     for index in range(3):
         handle.collector.put("e0", _piece(index))
@@ -97,11 +102,8 @@ async def test_a_write_that_waits_for_its_client_holds_the_next_tokens_back_in_o
             await client_ready
         written.append(_text(message["body"]))
 
-    pusher = _pusher(handle, send)
     got: list[RequestDelta] = []
-    reader = asyncio.create_task(_reader(handle.collector, got))
-    await until(lambda: handle.collector._waiter is not None)
-    pusher.resume()
+    pusher, reader = await _waiting_stream(handle, send, got)
 
     handle.collector.put("e0", _piece(0))
     assert written == []  # its write waits for the client...
@@ -127,10 +129,7 @@ async def test_a_write_that_fails_is_raised_to_the_stream_task() -> None:
     async def send(message: dict[str, Any]) -> None:
         raise RuntimeError("the connection is gone")
 
-    pusher = _pusher(handle, send)
-    reader = asyncio.create_task(_reader(handle.collector, []))
-    await until(lambda: handle.collector._waiter is not None)
-    pusher.resume()
+    pusher, reader = await _waiting_stream(handle, send, [])
     handle.collector.put("e0", _piece(0))  # the ingest task does not see the error
     assert handle.collector.push is None
     with pytest.raises(RuntimeError, match="the connection is gone"):
