@@ -413,15 +413,16 @@ class _EventStream(StreamingResponse):
     passing every event through them cost about 1 us of the router's CPU per event. The start
     and the end of the response still go through them.
 
-    With ``pusher``, the events between the first and the last are mostly written by the
-    ingest task as they come (``_Pusher``); the rest come from ``events``."""
+    The events between the first and the last are mostly written by the ingest task as they
+    come (``pusher`` makes its ``_Pusher`` over the ``send`` the events go to); the rest come
+    from ``events``."""
 
     def __init__(
         self,
         events: AsyncIterator[bytes],
         headers: dict[str, str],
         body_send: Send | None,
-        pusher: Callable[[Send], _Pusher] | None = None,
+        pusher: Callable[[Send], _Pusher],
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._events = events
@@ -431,17 +432,14 @@ class _EventStream(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         direct = self._body_send or send
-        pusher = self._pusher(direct) if self._pusher is not None else None
+        pusher = self._pusher(direct)
         try:
             async for event in self._events:
-                if pusher is not None:
-                    await pusher.settle()
+                await pusher.settle()
                 await direct({"type": "http.response.body", "body": event, "more_body": True})
-                if pusher is not None:
-                    pusher.resume()
+                pusher.resume()
         finally:
-            if pusher is not None:
-                pusher.stop()
+            pusher.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
