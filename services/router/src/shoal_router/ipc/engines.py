@@ -5,16 +5,17 @@
     handler ── add()/abort() ──▶ PUSH socket per engine (non-blocking send)
     engines ── OutputBatch ──▶ [PULL, bound at reply_to] ── ingest task ──▶ collector.put()
 
-One task reads the PULL socket, decodes each batch and hands every piece to its request's
-collector (from the engine that owns the request; a piece with a higher ownership generation
-says the request moved, and its owner becomes the engine that serves it and receives its
-ABORT), yielding to the loop every ``_CHUNK`` pieces so that a burst of large batches does not
-starve the HTTP handlers (``AsyncLLM``'s output handler does the same). It takes every batch
-already waiting on the socket (up to ``_DRAIN_PIECES`` pieces) before it flushes the collectors
-whose streams write as tokens come (``RequestOutputCollector.push``): a router that falls
-behind writes a stream's tokens of several engine steps as one event. Sends never block the
-loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the request is
-answered 503 instead of being queued without bound.
+One task reads the PULL socket (a plain socket read without blocking: no future per message; the
+task waits on the socket's descriptor only once it is empty), decodes each batch and hands every
+piece to its request's collector (from the engine that owns the request; a piece with a higher
+ownership generation says the request moved, and its owner becomes the engine that serves it and
+receives its ABORT), yielding to the loop every ``_CHUNK`` pieces so that a burst of large
+batches does not starve the HTTP handlers (``AsyncLLM``'s output handler does the same). It
+takes every batch already waiting on the socket (up to ``_DRAIN_PIECES`` pieces) before it
+flushes the collectors whose streams write as tokens come (``RequestOutputCollector.push``): a
+router that falls behind writes a stream's tokens of several engine steps as one event. Sends
+never block the loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the
+request is answered 503 instead of being queued without bound.
 
 Each engine socket is monitored: when its TCP link drops (the engine process died or closed),
 the engine's requests fail at once with ``engine_lost`` (their handlers continue them on another
@@ -112,7 +113,9 @@ class EngineClient:
         self._requests: dict[str, _Tracked] = {}
         # Collectors with output for a stream that waits for it (flushed by the ingest task).
         self._ready: list[RequestOutputCollector] = []
-        self._pull = ctx.socket(zmq.PULL)
+        # A plain socket as well: the ingest task reads it without a future per message
+        # (``ingest_forever``) and waits on its file descriptor only when it is empty.
+        self._pull: zmq.Socket[bytes] = self._push_ctx.socket(zmq.PULL)
         if curve_keys is not None:
             curve.serve(self._pull, curve_keys)
         self._pull.bind(reply_to)
@@ -235,18 +238,44 @@ class EngineClient:
         return len(lost)
 
     async def ingest_forever(self) -> None:
+        """Read the engines' batches until cancelled. The socket is read without blocking until
+        it is empty (up to ``_DRAIN_PIECES`` pieces before a flush); only then does the task
+        wait, on the socket's file descriptor. A ZeroMQ descriptor signals edges, not levels: it
+        becomes readable when the socket's events may have changed, so the events are read
+        again (which also re-arms it) before every wait."""
         decoder = msgspec.msgpack.Decoder(OutputBatch)
         pull, ready = self._pull, self._ready
-        while True:
-            taken = await self._take(await pull.recv_multipart(copy=False), decoder)
-            # Batches that came meanwhile: their pieces join the same flush.
-            while taken < _DRAIN_PIECES and pull.get(zmq.EVENTS) & zmq.POLLIN:
-                taken += await self._take(await pull.recv_multipart(copy=False), decoder)
-            if ready:
-                flushing = ready[:]
-                ready.clear()  # the collectors hold this list: cleared in place
-                for collector in flushing:
-                    collector.flush()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] | None = None
+
+        def readable() -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        fd = pull.FD
+        loop.add_reader(fd, readable)
+        try:
+            while True:
+                taken = 0
+                while taken < _DRAIN_PIECES:
+                    try:
+                        frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    taken += await self._take(frames, decoder)
+                if ready:
+                    flushing = ready[:]
+                    ready.clear()  # the collectors hold this list: cleared in place
+                    for collector in flushing:
+                        collector.flush()
+                if taken >= _DRAIN_PIECES:
+                    await asyncio.sleep(0)  # more waits: let the handlers in first
+                elif not pull.get(zmq.EVENTS) & zmq.POLLIN:
+                    waiter = loop.create_future()
+                    await waiter
+                    waiter = None
+        finally:
+            loop.remove_reader(fd)
 
     async def _take(self, frames: list[zmq.Frame], decoder: msgspec.msgpack.Decoder[OutputBatch]) -> int:
         """Hand one engine batch's pieces to their collectors; returns how many pieces it had
