@@ -17,7 +17,14 @@ the next output token (or the next ``--second-tokens``). Shown: the time to the 
 (median over the repeats), and how often each went on with the same tokens as the first request
 (greedy). Prints a markdown table.
 
+vLLM's detokenizer is off, as on Shoal's engines, which make the text themselves from the last
+few tokens of the context (``shoal_engine.detokenize``); ``--vllm-detokenize`` turns it on. On
+its first output vLLM's detokenizer decodes the whole context: in a loop re-admitting one
+8k-token context it added 10-16 ms to each re-admission (2026-12-04), which a Shoal engine
+does not spend.
+
     .venv/bin/python bench/readmission.py [--contexts 256 2048 8000] [--repeats 5] [--second-tokens 1]
+        [--vllm-detokenize]
 """
 
 from __future__ import annotations
@@ -42,17 +49,21 @@ MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 BLOCK = 32  # the CPU attention backend wants multiples of 32
 
 
-def _params(max_tokens: int) -> SamplingParams:
+def _params(max_tokens: int, detokenize: bool) -> SamplingParams:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=detokenize,
     )
 
 
 async def _plain(
-    llm: AsyncLLM, request_id: str, ids: list[int], tokens: int
+    llm: AsyncLLM, request_id: str, ids: list[int], tokens: int, detokenize: bool
 ) -> tuple[float, list[float], list[int]]:
     """Time to the first token (s), the token time stamps, the tokens."""
     from vllm import TokensPrompt
@@ -60,7 +71,8 @@ async def _plain(
     started = time.perf_counter()
     stamps: list[float] = []
     out: list[int] = []
-    async for piece in llm.generate(TokensPrompt(prompt_token_ids=ids), _params(tokens), request_id):
+    params = _params(tokens, detokenize)
+    async for piece in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
         if piece.outputs[0].token_ids:
             stamps.append(time.perf_counter())
             out += piece.outputs[0].token_ids
@@ -68,7 +80,12 @@ async def _plain(
 
 
 async def _second_chunk(
-    llm: AsyncLLM, request_id: str, first: list[int], second: list[int], tokens: int
+    llm: AsyncLLM,
+    request_id: str,
+    first: list[int],
+    second: list[int],
+    tokens: int,
+    detokenize: bool,
 ) -> tuple[float, list[int]]:
     """A streaming-input request: ``first`` for one dropped token, then ``second`` continues;
     the time from handing over ``second`` to its first token (s), and its tokens."""
@@ -81,19 +98,21 @@ async def _second_chunk(
         while (chunk := await chunks.get()) is not None:
             yield chunk
 
-    await chunks.put(StreamingInput(prompt=TokensPrompt(prompt_token_ids=first), sampling_params=_params(1)))
+    first_chunk = StreamingInput(
+        prompt=TokensPrompt(prompt_token_ids=first), sampling_params=_params(1, detokenize)
+    )
+    await chunks.put(first_chunk)
     handed = 0.0
     first_token = 0.0
     out: list[int] = []
-    async for piece in llm.generate(inputs(), _params(tokens), request_id):
+    async for piece in llm.generate(inputs(), _params(tokens, detokenize), request_id):
         new = piece.outputs[0].token_ids
         if not handed:
             if new:  # the first chunk's token (dropped): now the second chunk
                 handed = time.perf_counter()
+                second_chunk = TokensPrompt(prompt_token_ids=second)
                 await chunks.put(
-                    StreamingInput(
-                        prompt=TokensPrompt(prompt_token_ids=second), sampling_params=_params(tokens)
-                    )
+                    StreamingInput(prompt=second_chunk, sampling_params=_params(tokens, detokenize))
                 )
             continue
         if new and not first_token:
@@ -104,7 +123,9 @@ async def _second_chunk(
     return first_token - handed, out
 
 
-async def run(contexts: list[int], repeats: int, seed: int, second_tokens: int) -> list[dict[str, float]]:
+async def run(
+    contexts: list[int], repeats: int, seed: int, second_tokens: int, detokenize: bool
+) -> list[dict[str, float]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -121,13 +142,13 @@ async def run(contexts: list[int], repeats: int, seed: int, second_tokens: int) 
     rng = random.Random(seed)
     rows = []
     try:
-        await _plain(llm, "warm-up", [rng.randrange(100, 40000) for _ in range(64)], 4)
+        await _plain(llm, "warm-up", [rng.randrange(100, 40000) for _ in range(64)], 4, detokenize)
         for context in contexts:
             for i in range(repeats):
                 # Whole blocks, so that the context plus the first output token has all but its
                 # last token in whole blocks.
                 ids = [rng.randrange(100, 40000) for _ in range(context // BLOCK * BLOCK)]
-                _, stamps, out = await _plain(llm, f"a-{context}-{i}", ids, 16)
+                _, stamps, out = await _plain(llm, f"a-{context}-{i}", ids, 16, detokenize)
                 gap = statistics.median(b - a for a, b in itertools.pairwise(stamps))
                 # Each computes one token over KV it holds exactly as the first request wrote it:
                 # (a) the context and the first output as a new request, the prefix cache holding
@@ -137,9 +158,11 @@ async def run(contexts: list[int], repeats: int, seed: int, second_tokens: int) 
                 # whole last block computed again, and that KV differs from the first request's in
                 # the last bits: greedy near-ties then flip.
                 held = ids + out[:1]
-                readmit, _, again = await _plain(llm, f"b-{context}-{i}", held, 6)
+                readmit, _, again = await _plain(llm, f"b-{context}-{i}", held, 6, detokenize)
                 chunk = out[1 : 1 + second_tokens]
-                second, got = await _second_chunk(llm, f"c-{context}-{i}", held, chunk, 6 - second_tokens)
+                second, got = await _second_chunk(
+                    llm, f"c-{context}-{i}", held, chunk, 6 - second_tokens, detokenize
+                )
                 rows.append(
                     {
                         "context": context,
@@ -192,12 +215,21 @@ def main() -> None:
         choices=range(1, 6),
         help="tokens the second chunk brings (what the source decoded after the first chunk)",
     )
+    parser.add_argument(
+        "--vllm-detokenize",
+        action="store_true",
+        help="let vLLM make the text (Shoal's engines make their own and turn vLLM's off)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    print(f"one SmolLM2 engine; contexts {args.contexts}, {args.repeats} repeats each", flush=True)
-    rows = asyncio.run(run(args.contexts, args.repeats, args.seed, args.second_tokens))
+    print(
+        f"one SmolLM2 engine; contexts {args.contexts}, {args.repeats} repeats each; vLLM's "
+        f"detokenizer {'on' if args.vllm_detokenize else 'off'}",
+        flush=True,
+    )
+    rows = asyncio.run(run(args.contexts, args.repeats, args.seed, args.second_tokens, args.vllm_detokenize))
     print(table(rows, args.contexts))
 
 
