@@ -10,49 +10,33 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
-from shoal_protos.messages import AddRequest, OutputBatch, RequestPiece, SamplingOptions
+from shoal_protos.messages import AddRequest, RequestPiece, SamplingOptions
 from shoal_router.core.outputs import RequestOutputCollector
 from shoal_router.ipc import engines as engines_module
 from shoal_router.ipc.engines import EngineClient
 from tests.integration.support import free_port
-
-
-class _Engine:
-    """One engine played by the test: takes the router's frames, sends batches back."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, reply_to: str) -> None:
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.bind(self.address)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(reply_to)
-
-    async def send(self, *pieces: RequestPiece) -> None:
-        body = msgspec.msgpack.encode(OutputBatch("e0", 0, list(pieces)))
-        await self.push.send_multipart([b"\x02", body])
-
-    def close(self) -> None:
-        self.pull.close(linger=0)
-        self.push.close(linger=0)
+from tests.unit.played_engines import PlayedEngine
 
 
 @contextlib.asynccontextmanager
-async def _router() -> AsyncIterator[tuple[EngineClient, _Engine]]:
+async def _router() -> AsyncIterator[tuple[EngineClient, PlayedEngine]]:
     ctx = zmq.asyncio.Context()
-    reply_to = f"tcp://127.0.0.1:{free_port()}"
-    client = EngineClient(ctx, reply_to, 100, on_link=lambda *_: None)
-    engine = _Engine(ctx, reply_to)
-    client.connect("e0", engine.address)
+    client = EngineClient(ctx, f"tcp://127.0.0.1:{free_port()}", 100, on_link=lambda *_: None)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine = PlayedEngine("e0", ctx.socket(zmq.PULL))
+    engine.pull.bind(address)
+    client.connect("e0", address)
     try:
         yield client, engine
     finally:
         await client.aclose()
-        engine.close()
+        engine.pull.close(linger=0)
+        if engine.push is not None:
+            engine.push.close(linger=0)
         ctx.term()
 
 
@@ -87,7 +71,7 @@ async def test_batches_one_at_a_time_each_wake_the_task() -> None:
     async with _router() as (client, engine), _ingesting(client):
         collector = _track(client, "r")
         for i in range(200):
-            await engine.send(RequestPiece("r", i, [i]))
+            await engine.send(client.reply_to, RequestPiece("r", i, [i]))
             assert await _read(collector, 1) == [i]
 
 
@@ -98,12 +82,12 @@ async def test_a_burst_larger_than_a_drain_arrives_in_order(monkeypatch: pytest.
         collectors = [_track(client, f"r{k}") for k in range(4)]
         # Queued before the task starts, so that its first drain finds them all waiting.
         for i in range(100):
-            await engine.send(*(RequestPiece(f"r{k}", i, [i]) for k in range(4)))
+            await engine.send(client.reply_to, *(RequestPiece(f"r{k}", i, [i]) for k in range(4)))
         async with _ingesting(client):
             for collector in collectors:
                 assert await _read(collector, 100) == list(range(100))
             # And the task still wakes for what comes after the burst.
-            await engine.send(RequestPiece("r0", 100, [100]))
+            await engine.send(client.reply_to, RequestPiece("r0", 100, [100]))
             assert await _read(collectors[0], 1) == [100]
 
 
@@ -113,8 +97,8 @@ async def test_a_restarted_task_reads_on() -> None:
     async with _router() as (client, engine):
         collector = _track(client, "r")
         async with _ingesting(client):
-            await engine.send(RequestPiece("r", 0, [7]))
+            await engine.send(client.reply_to, RequestPiece("r", 0, [7]))
             assert await _read(collector, 1) == [7]
-        await engine.send(RequestPiece("r", 1, [8]))
+        await engine.send(client.reply_to, RequestPiece("r", 1, [8]))
         async with _ingesting(client):
             assert await _read(collector, 1) == [8]
