@@ -235,7 +235,7 @@ def test_a_held_request_that_finished_on_its_own_releases_nothing(pair: Pair) ->
     assert isinstance(status, kv.Status) and status.tracked_requests == 0
 
 
-def test_request_preempted_during_a_send_fails_it(pair: Pair) -> None:
+def test_a_send_its_request_was_preempted_during_counts_for_nothing(pair: Pair) -> None:
     _run(pair.source, "r", [1, 2, 3], tokens=3 * BLOCK)
     transport = pair.source._transport
     real_send = transport.send
@@ -246,16 +246,23 @@ def test_request_preempted_during_a_send_fails_it(pair: Pair) -> None:
         return real_send(*args, **kwargs)  # type: ignore[arg-type]
 
     transport.send = preempted_midway  # type: ignore[method-assign]
-    failed = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
-    assert isinstance(failed, kv.AgentError) and "preempted" in failed.message
+    lost = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1))
+    # A pre-copy stage: it says so, and the next one starts from the same block.
+    assert isinstance(lost, kv.SentBlocks) and lost.preempted
+    assert (lost.next_block, lost.blocks, lost.tokens_written) == (1, 0, 0) and lost.bytes > 0
     transport.send = real_send  # type: ignore[method-assign]
     # Preempted, it has no blocks until it resumes with a new table: nothing to send.
-    sent = pair.call("source", kv.SendBlocks("r", "m2", pair.addresses["td"], 0))
+    sent = pair.call("source", kv.SendBlocks("r", "m2", pair.addresses["td"], 1))
     assert isinstance(sent, kv.SentBlocks) and sent.blocks == 0 and sent.tokens_written == 0
-    # Resumed with new blocks, it sends what the new steps wrote.
-    _run(pair.source, "r", [7, 8], tokens=2 * BLOCK)
-    sent = pair.call("source", kv.SendBlocks("r", "m3", pair.addresses["td"], 0))
-    assert isinstance(sent, kv.SentBlocks) and sent.blocks == 2
+    # Resumed with new blocks (recomputed), it sends what the new steps wrote.
+    _run(pair.source, "r", [7, 8, 9], tokens=3 * BLOCK)
+    sent = pair.call("source", kv.SendBlocks("r", "m2", pair.addresses["td"], 1))
+    assert isinstance(sent, kv.SentBlocks) and not sent.preempted and (sent.next_block, sent.blocks) == (3, 2)
+    # The send after a migration's stop cannot be sent again: it fails the move instead.
+    assert pair.call("source", kv.Hold("r")) is None
+    transport.send = preempted_midway  # type: ignore[method-assign]
+    failed = pair.call("source", kv.SendBlocks("r", "m2", pair.addresses["td"], 1, partial=True))
+    assert isinstance(failed, kv.AgentError) and "lost its blocks" in failed.message
 
 
 def test_unheld_aborted_requests_free_their_blocks_at_once(pair: Pair) -> None:

@@ -106,6 +106,26 @@ async def test_a_full_cache_preempts_and_every_request_still_completes() -> None
     assert backend.load().kv_blocks_used == 0
 
 
+async def test_each_request_counts_the_times_it_lost_its_blocks() -> None:
+    """What the simulated KV agent reads to tell a send its request was preempted during."""
+    backend = await _started(block_size=16, kv_blocks=8, max_model_len=128)
+    seen: dict[str, int] = {}
+
+    async def run(prompt: list[int]) -> None:
+        request_id = f"p{prompt[0]}"
+        options = SamplingOptions(max_tokens=80)
+        async for _ in backend.generate(request_id, prompt, options):
+            seen[request_id] = backend.times_preempted(request_id)
+
+    try:
+        await asyncio.gather(*(run(list(range(10 + i, 50 + i))) for i in range(3)))
+        assert backend.times_preempted("p10") == 0  # finished: not here any more
+    finally:
+        backend.shutdown()
+    # A preempted request runs again before it ends, so its last output saw all its preemptions.
+    assert backend.preemptions >= 1 and sum(seen.values()) == backend.preemptions
+
+
 async def test_an_abort_frees_the_requests_blocks() -> None:
     backend = await _started(kv_blocks=256, max_model_len=4096)
     try:

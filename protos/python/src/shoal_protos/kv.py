@@ -100,6 +100,9 @@ class SentBlocks(_Tagged):
     # Tokens whose KV the request had when the call ran; the blocks sent so far cover
     # ``min(next_block * block_size, tokens_written)`` of them.
     tokens_written: int
+    # vLLM preempted the request while its blocks were on their way (they may belong to
+    # another request now): nothing this call sent counts, ``next_block`` is where it began.
+    preempted: bool = False
 
 
 class BlockBytes(_Tagged):

@@ -274,6 +274,14 @@ class MigrationManager:
                     )
                 )
                 _count_stage(result, sent)
+                if sent.preempted:
+                    # Its blocks went back to vLLM during the stage: the next stage sends them
+                    # again from the same block, once the request has recomputed them.
+                    logger.info(
+                        "migration %s: %s was preempted during a pre-copy stage; sending it again",
+                        result.migration_id,
+                        request_id,
+                    )
                 next_block = sent.next_block
                 now = self._service.tokens_of(request_id)
                 if now is None:

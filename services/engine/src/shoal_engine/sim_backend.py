@@ -165,6 +165,8 @@ class SimRequest:
     finish: FinishReason | None = None
     kv_loaded: bool = False
     """It arrived with its context's KV (a migration): no prefill."""
+    preempted: int = 0
+    """Times it was preempted (its blocks freed) here."""
 
     @property
     def context(self) -> int:
@@ -288,6 +290,7 @@ class SimBatch:
                 victim = self.running.pop()
                 self.free += victim.blocks
                 victim.blocks = 0
+                victim.preempted += 1
                 self.waiting.appendleft(victim)
                 self.preemptions += 1
                 PREEMPTIONS.inc()
@@ -370,6 +373,12 @@ class SimulatedBackend:
         if stream is None:
             return self._holds.get(request_id)
         return _written(stream.request)
+
+    def times_preempted(self, request_id: str) -> int:
+        """How often the request lost its blocks here (0 when not here): a migration's send
+        during which this grows sent blocks the request no longer had."""
+        stream = self._streams.get(request_id)
+        return stream.request.preempted if stream is not None else 0
 
     def hold(self, request_id: str) -> None:
         """Keep the request's KV count after it leaves the batch (a migration's stop)."""

@@ -19,7 +19,8 @@ So a stopped request's blocks go over at once, without waiting for vLLM to take 
 the one step it may still run writes past what is sent. What can change blocks under a send is a
 preemption (vLLM frees the blocks and may hand them to another request in the same step): the
 connector reports preemptions, and a send during which its request was preempted or given a new
-table fails instead of delivering bytes that may have been overwritten.
+table counts for nothing (a pre-copy stage says so and is sent again; the send after the stop
+fails) instead of delivering bytes that may have been overwritten.
 """
 
 from __future__ import annotations
@@ -418,8 +419,21 @@ class KvAgent:
         sent, count = self._paced_send(command, ids)
         with self._lock:
             if self._tables.get(command.request_id) is not table or table.epoch != epoch:
-                return kv.AgentError(
-                    message=f"request {command.request_id} was preempted while its blocks were sent"
+                if command.partial:
+                    # The send after the stop (vLLM preempted it in the one step it may still
+                    # run): the move fails and the source runs the request on.
+                    return kv.AgentError(
+                        message=f"request {command.request_id} lost its blocks while they were sent"
+                    )
+                # A pre-copy stage: the caller sends these blocks again once the request has
+                # them back (it recomputes them when it resumes).
+                return kv.SentBlocks(
+                    next_block=command.first_block,
+                    blocks=0,
+                    bytes=sent,
+                    seconds=time.perf_counter() - started,
+                    tokens_written=0,
+                    preempted=True,
                 )
         return kv.SentBlocks(
             next_block=command.first_block + count,

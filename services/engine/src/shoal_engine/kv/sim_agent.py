@@ -153,6 +153,7 @@ class SimKvAgent:
     def _send_blocks(self, command: kv.SendBlocks) -> kv.AgentReply:
         started = time.perf_counter()
         written = self._backend.tokens_written(command.request_id)
+        preempted = self._backend.times_preempted(command.request_id)
         if not written:
             # Not computed yet (it waits for a batch slot): the target computes it all.
             return kv.SentBlocks(
@@ -170,6 +171,22 @@ class SimKvAgent:
         nbytes = count * self.bytes_per_block
         if count:
             time.sleep(nbytes / rate)
+        if self._backend.times_preempted(command.request_id) != preempted:
+            # As the real agent: the batch took the blocks back during the send, so none of
+            # them is staged (the target counts staged blocks; they go again later).
+            if command.partial:
+                return kv.AgentError(
+                    message=f"request {command.request_id} lost its blocks while they were sent"
+                )
+            return kv.SentBlocks(
+                next_block=command.first_block,
+                blocks=0,
+                bytes=nbytes,
+                seconds=time.perf_counter() - started,
+                tokens_written=0,
+                preempted=True,
+            )
+        if count:
             header = kv.StageHeader(
                 migration_id=command.migration_id,
                 first_block=command.first_block,

@@ -1,0 +1,300 @@
+"""The source's side of a move (``MigrationManager.migrate``): which blocks the pre-copy stages
+ask the KV agent for, and what a stage during which vLLM preempted the request does to the move.
+
+The KV agent, the engine service and the target's control API are played by the test (Shoal's
+own seams); the engine records and the owner record live in a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+import zmq
+
+from shoal_engine.config import EngineConfig
+from shoal_engine.kv.sim_agent import SimKvAgent, SimStaging
+from shoal_engine.metrics import EngineMetrics
+from shoal_engine.migration import MigrationManager
+from shoal_engine.serving import StoppedRequest
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import kv
+from shoal_protos.messages import PROTOCOL_VERSION, AddRequest, SamplingOptions
+from shoal_protos.records import (
+    EngineRecord,
+    Keys,
+    json_encoder,
+    migration_record_decoder,
+    owner_record_decoder,
+)
+from tests.integration.support import free_port, redis_server
+
+BLOCK, BYTES_PER_BLOCK = 16, 4096
+PROMPT = list(range(100, 100 + 10 * BLOCK))  # ten full blocks
+
+
+@dataclass
+class PlayedAgent:
+    """The source's KV agent: answers each ``SendBlocks`` from ``stages`` (in order, then the
+    final send after the stop), and keeps every command it got."""
+
+    stages: list[kv.SentBlocks]
+    final: kv.SentBlocks
+    commands: list[kv.AgentCommand] = field(default_factory=list)
+
+    async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
+        self.commands.append(command)
+        if isinstance(command, kv.AgentStatus):
+            return kv.Status(BLOCK, 2, BYTES_PER_BLOCK, {}, 0, 1)
+        if isinstance(command, kv.SendBlocks):
+            return self.final if command.partial else self.stages.pop(0)
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def sends(self) -> list[tuple[int, bool]]:
+        return [(c.first_block, c.partial) for c in self.commands if isinstance(c, kv.SendBlocks)]
+
+
+@dataclass
+class PlayedService:
+    """The engine service, with one running request that has written ``PROMPT`` and decodes on."""
+
+    request_id: str
+    outputs: list[int] = field(default_factory=lambda: [7, 8, 9])
+    handed_over: list[tuple[str, int]] = field(default_factory=list)
+    resumed: list[AddRequest] = field(default_factory=list)
+
+    def tokens_of(self, request_id: str) -> int | None:
+        return len(PROMPT) + len(self.outputs) if request_id == self.request_id else None
+
+    def max_tokens_of(self, request_id: str) -> int | None:
+        return len(PROMPT) + 64
+
+    def token_ids_of(self, request_id: str) -> list[int] | None:
+        return PROMPT + self.outputs
+
+    def moved_to(self, request_id: str) -> str | None:
+        return None
+
+    async def wait_output_here(self, request_id: str, timeout_s: float) -> None:
+        return None
+
+    async def stop_for_migration(self, request_id: str, align_s: float) -> StoppedRequest:
+        add = AddRequest(request_id, PROMPT, SamplingOptions(max_tokens=64), "tcp://127.0.0.1:1")
+        return StoppedRequest(add, list(self.outputs), time.time())
+
+    def hand_over(self, add: AddRequest, engine_id: str, generation: int) -> None:
+        self.handed_over.append((engine_id, generation))
+
+    def start(self, add: AddRequest) -> None:
+        self.resumed.append(add)
+
+
+@dataclass
+class PlayedTarget:
+    """The target's control API: takes every prepare and commit (``timeout`` as grpc.aio's
+    stubs take it)."""
+
+    commits: list[pb.CommitRequest] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+    async def PrepareMigration(self, request: pb.PrepareRequest, timeout: float) -> pb.PrepareReply:  # noqa: N802, ASYNC109
+        return pb.PrepareReply(accepted=True, kv_address="tcp://127.0.0.1:2", staging_ttl_s=60)
+
+    async def CommitMigration(self, request: pb.CommitRequest, timeout: float) -> pb.CommitReply:  # noqa: N802, ASYNC109
+        self.commits.append(request)
+        return pb.CommitReply(accepted=True)
+
+    async def CancelMigration(self, request: pb.CancelRequest, timeout: float) -> pb.CancelReply:  # noqa: N802, ASYNC109
+        self.cancels.append(request.migration_id)
+        return pb.CancelReply()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    port = free_port()
+    with redis_server(port):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@pytest_asyncio.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+def _sent(first: int, count: int, written: int, preempted: bool = False) -> kv.SentBlocks:
+    return kv.SentBlocks(first + count, count, count * BYTES_PER_BLOCK, 0.001, written, preempted)
+
+
+async def _move(
+    redis_client: aioredis.Redis, agent: PlayedAgent, service: PlayedService, target: PlayedTarget
+) -> pb.MigrationResult:
+    config = EngineConfig(
+        model="m",
+        served_model_name="m",
+        engine_id="source",
+        cluster="stages",
+        backend="sim",
+        migration_max_stages=4,
+        migration_last_stage_max_blocks=2,
+    )
+    keys = Keys(config.cluster)
+    record = EngineRecord(
+        engine_id="target",
+        model="m",
+        zmq_address="tcp://127.0.0.1:3",
+        http_address="http://127.0.0.1:4",
+        max_model_len=4096,
+        protocol_version=PROTOCOL_VERSION,
+        started_at=time.time(),
+        control_address="127.0.0.1:5",
+    )
+    await redis_client.set(keys.engine("target"), json_encoder.encode(record))
+    metrics = EngineMetrics("source", "m")
+    manager = MigrationManager(config, service, lambda: 100, redis_client, keys, metrics)  # type: ignore[arg-type]
+    manager._agent = agent  # type: ignore[assignment]
+    manager._stub = lambda address: target  # type: ignore[assignment,method-assign,return-value]
+    try:
+        result = await manager.migrate(service.request_id, "target", "admin")
+        # The move's record, written to Redis after it ended, says how it went.
+        deadline = time.monotonic() + 5
+        while (raw := await redis_client.get(keys.migration(result.migration_id))) is None:
+            assert time.monotonic() < deadline, "no migration record"
+            await asyncio.sleep(0.01)
+        record = migration_record_decoder.decode(raw)
+        assert (record.outcome, record.stages, record.kv_tokens) == (
+            {pb.MIGRATED: "MIGRATED", pb.FAILED: "FAILED"}[result.outcome],
+            result.stages,
+            result.kv_tokens,
+        )
+        return result
+    finally:
+        await manager.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_same_block(
+    redis_client: aioredis.Redis,
+) -> None:
+    written = len(PROMPT) + 2
+    agent = PlayedAgent(
+        stages=[
+            _sent(0, 4, written),
+            # vLLM preempted the request while blocks 4.. were on their way: none of them count.
+            _sent(4, 0, 0, preempted=True),
+            # Resumed (recomputed), it has its blocks again: they go from block 4.
+            _sent(4, 6, written),
+        ],
+        final=_sent(10, 1, written),
+    )
+    service, target = PlayedService("r1"), PlayedTarget()
+    result = await _move(redis_client, agent, service, target)
+    assert result.outcome == pb.MIGRATED, result.detail
+    assert agent.sends() == [(0, False), (4, False), (4, False), (10, True)]
+    assert (result.stages, result.blocks, result.kv_tokens) == (4, 11, written)
+    assert service.handed_over == [("target", 1)] and not service.resumed and not target.cancels
+    assert len(target.commits) == 1 and target.commits[0].kv_tokens == written
+    owner = owner_record_decoder.decode(await redis_client.get(Keys("stages").owner("r1")))
+    assert (owner.engine_id, owner.generation) == ("target", 1)
+
+
+@pytest.mark.asyncio
+async def test_a_request_still_preempted_at_the_stop_moves_with_the_blocks_it_has_again(
+    redis_client: aioredis.Redis,
+) -> None:
+    """Preempted in every stage it gets (it waits for room to resume): the stages end at their
+    bound and the stop sends from the last block that counted; the target recomputes the rest."""
+    agent = PlayedAgent(
+        stages=[_sent(0, 3, 3 * BLOCK + 5)] + [_sent(3, 0, 0, preempted=True)] * 3,
+        final=_sent(3, 0, 0),
+    )
+    service, target = PlayedService("r2"), PlayedTarget()
+    result = await _move(redis_client, agent, service, target)
+    assert result.outcome == pb.MIGRATED, result.detail
+    assert agent.sends() == [(0, False), (3, False), (3, False), (3, False), (3, True)]
+    # No KV written when it stopped: the commit says so, and the target computes it all.
+    assert result.kv_tokens == 0 and target.commits[0].kv_tokens == 0
+    assert service.handed_over == [("target", 1)]
+
+
+@pytest.mark.asyncio
+async def test_a_send_after_the_stop_that_loses_its_blocks_leaves_the_request_on_the_source(
+    redis_client: aioredis.Redis,
+) -> None:
+    class LosingAgent(PlayedAgent):
+        async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
+            reply = await super().call(command)
+            if isinstance(command, kv.SendBlocks) and command.partial:
+                from shoal_engine.migration import MigrationError
+
+                raise MigrationError("KV agent: request r3 lost its blocks while they were sent")
+            return reply
+
+    agent = LosingAgent(stages=[_sent(0, 10, len(PROMPT) + 2)], final=_sent(10, 1, len(PROMPT) + 2))
+    service, target = PlayedService("r3"), PlayedTarget()
+    result = await _move(redis_client, agent, service, target)
+    assert result.outcome == pb.FAILED and "lost its blocks" in result.detail
+    # It runs on here after the tokens it had; the target's staging is cancelled.
+    assert [add.output_token_ids for add in service.resumed] == [service.outputs]
+    assert not service.handed_over and len(target.cancels) == 1 and not target.commits
+
+
+class _PreemptedOnce:
+    """A simulated backend as the simulated KV agent reads it: a request with five blocks
+    written, preempted during the next send when ``preempt`` is set."""
+
+    def __init__(self) -> None:
+        self.staging = SimStaging()
+        self.preempt, self._times = False, 0
+
+    def tokens_written(self, request_id: str) -> int:
+        return 5 * BLOCK
+
+    def times_preempted(self, request_id: str) -> int:
+        if self.preempt:  # read before and after the send: it grows in between
+            self._times += 1
+        return self._times
+
+
+def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_during() -> None:
+    backend = _PreemptedOnce()
+    control, data = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    agent = SimKvAgent(backend, control, data, BLOCK, BYTES_PER_BLOCK, bytes_per_s=1e9)  # type: ignore[arg-type]
+    agent.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.connect(control)
+
+    def call(command: kv.AgentCommand) -> kv.AgentReply:
+        sock.send(kv.encoder.encode(command))
+        assert sock.poll(5000), "the simulated agent did not answer"
+        return kv.agent_reply_decoder.decode(sock.recv())
+
+    try:
+        # Sent to its own data socket: its staging counts what arrives.
+        backend.preempt = True
+        lost = call(kv.SendBlocks("r", "m", data, 0))
+        assert isinstance(lost, kv.SentBlocks) and lost.preempted and (lost.next_block, lost.blocks) == (0, 0)
+        lost_last = call(kv.SendBlocks("r", "m", data, 0, partial=True))
+        assert isinstance(lost_last, kv.AgentError) and "lost its blocks" in lost_last.message
+        backend.preempt = False
+        sent = call(kv.SendBlocks("r", "m", data, 0))
+        assert isinstance(sent, kv.SentBlocks) and not sent.preempted and sent.next_block == 5
+        deadline = time.monotonic() + 5
+        while backend.staging.blocks("m") < 5:
+            assert time.monotonic() < deadline, "the staged blocks never arrived"
+            time.sleep(0.01)
+        assert backend.staging.blocks("m") == 5  # the lost sends staged nothing
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        agent.close()
