@@ -136,7 +136,11 @@ def _sent(first: int, count: int, written: int, preempted: bool = False) -> kv.S
 
 
 async def _move(
-    redis_client: aioredis.Redis, agent: PlayedAgent, service: PlayedService, target: PlayedTarget
+    redis_client: aioredis.Redis,
+    agent: PlayedAgent,
+    service: PlayedService,
+    target: PlayedTarget,
+    metrics: EngineMetrics | None = None,
 ) -> pb.MigrationResult:
     config = EngineConfig(
         model="m",
@@ -159,7 +163,7 @@ async def _move(
         control_address="127.0.0.1:5",
     )
     await redis_client.set(keys.engine("target"), json_encoder.encode(record))
-    metrics = EngineMetrics("source", "m")
+    metrics = metrics or EngineMetrics("source", "m")
     manager = MigrationManager(config, service, lambda: 100, redis_client, keys, metrics)  # type: ignore[arg-type]
     manager._agent = agent  # type: ignore[assignment]
     manager._stub = lambda address: target  # type: ignore[assignment,method-assign,return-value]
@@ -196,11 +200,13 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
         ],
         final=_sent(10, 1, written),
     )
-    service, target = PlayedService("r1"), PlayedTarget()
-    result = await _move(redis_client, agent, service, target)
+    service, target, metrics = PlayedService("r1"), PlayedTarget(), EngineMetrics("source", "m")
+    result = await _move(redis_client, agent, service, target, metrics)
     assert result.outcome == pb.MIGRATED, result.detail
     assert agent.sends() == [(0, False), (4, False), (4, False), (10, True)]
     assert (result.stages, result.blocks, result.kv_tokens) == (4, 11, written)
+    labels = {"engine": "source", "model": "m"}
+    assert metrics.registry.get_sample_value("shoal_engine_migration_stages_lost_total", labels) == 1
     assert service.handed_over == [("target", 1)] and not service.resumed and not target.cancels
     assert len(target.commits) == 1 and target.commits[0].kv_tokens == written
     owner = owner_record_decoder.decode(await redis_client.get(Keys("stages").owner("r1")))

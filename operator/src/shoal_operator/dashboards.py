@@ -264,6 +264,12 @@ MIGRATIONS = Dashboard(
             _quantiles("shoal_engine_migration_downtime_seconds", selector=""),
             "s",
         ),
+        Panel(
+            "Pre-copy stages sent again",
+            "Pre-copy stages during which the source's vLLM preempted the request (KV full): "
+            "their blocks went again once it had recomputed them.",
+            ((f"sum(rate(shoal_engine_migration_stages_lost_total[{RATE}]))", "stages/s"),),
+        ),
     ),
 )
 

@@ -64,6 +64,13 @@ class EngineMetrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16),
             registry=registry,
         ).labels(**self._labels)
+        self.migration_stages_lost = Counter(
+            "shoal_engine_migration_stages_lost",
+            "Pre-copy stages vLLM preempted their request during: their blocks went again later "
+            "(source side).",
+            _LABELS,
+            registry=registry,
+        ).labels(**self._labels)
         self.migration_downtime = Histogram(
             "shoal_engine_migration_downtime_seconds",
             "From a request's stop on the source to its admission on the target (source side).",

@@ -277,6 +277,7 @@ class MigrationManager:
                 if sent.preempted:
                     # Its blocks went back to vLLM during the stage: the next stage sends them
                     # again from the same block, once the request has recomputed them.
+                    self._metrics.migration_stages_lost.inc()
                     logger.info(
                         "migration %s: %s was preempted during a pre-copy stage; sending it again",
                         result.migration_id,
