@@ -23,7 +23,7 @@ import redis
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.records import Keys, engine_record_decoder, migration_record_decoder
-from tests.integration.support import STALL_S, free_port, sim_fleet
+from tests.integration.support import STALL_S, free_port, sim_fleet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -154,6 +154,8 @@ async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engin
         await asyncio.sleep(0.1)
 
 
+Streaming = contextlib.AbstractContextManager[httpx.Response]
+
 SHARE = 0.01  # of the time a paced pre-copy may spend sending
 
 
@@ -180,3 +182,94 @@ def test_a_paced_pre_copy_sends_for_its_share_of_the_time_but_a_drain_goes_at_fu
     # The pre-copy (all but the last stage's few blocks) went at 1 % of 8 GB/s.
     assert durations["admin"] >= (paced.bytes - 4 * BLOCK * BYTES_PER_TOKEN) / (8e9 * SHARE) * 1000
     assert durations["drain"] < durations["admin"] / 4, durations
+
+
+def _tokens(response: httpx.Response, lines: Iterator[str], want: int) -> list[int]:
+    """Token ids from a streaming completion's events until ``want`` came (or the stream ended)."""
+    token_ids: list[int] = []
+    for line in lines:
+        if line.startswith("data: {"):
+            token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            if len(token_ids) >= want:
+                break
+    return token_ids
+
+
+def test_a_request_preempted_during_its_pre_copy_still_moves_with_every_token_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A source with 46 KV blocks of 16 tokens runs two requests that cannot both finish there
+    (29 + 38 blocks), at about 40 ms a step. The newer one is moved at its first token with a
+    pre-copy paced to 1 MiB/s (a 2 MiB block every 2 s, stages of at most 4 s): the cache fills
+    some 2.6 s in, during the first stage, the source preempts the request (the newest), and
+    that stage's blocks count for nothing. The move goes on once the older request has finished
+    and the moved one has its blocks back; its stream ends with the tokens of the same request
+    never moved, each once."""
+    engine_args = [
+        "--model", "llama3-8b-a100", "--sim-kv-blocks", "46", "--max-model-len", "736",
+        "--max-num-seqs", "8", "--sim-speed", "0.2", "--migration",
+        "--migration-precopy-mib-per-s", "1", "--migration-step-timeout", "8",
+    ]  # fmt: skip
+    # Session affinity piles both on one engine; nothing held at the router for want of KV.
+    router_args = ("--scheduler", "session_affinity", "--hold-below", "0")
+
+    def ports(_: int) -> list[str]:
+        return ["--control-port", str(free_port()), "--kv-port", str(free_port(2))]
+
+    logs = tmp_path_factory.mktemp("sim-preempted")
+    cluster = "sim-preempted"
+    headers = {"x-session-id": "one"}
+
+    def start(url: str, prompt: list[int], max_tokens: int) -> Streaming:
+        body = {
+            "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "return_token_ids": True,
+        }  # fmt: skip
+        return httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=120)
+
+    moved_prompt, older_prompt = list(range(1000, 1300)), list(range(2000, 2300))
+    with sim_fleet(logs, cluster, MODEL, engine_args, router_args, per_engine=ports) as sim:
+        fleet = MovingFleet(sim.url, redis.Redis.from_url(sim.redis_url), Keys(cluster))
+        with start(sim.url, moved_prompt, 300) as alone:
+            reference = _tokens(alone, alone.iter_lines(), 300)
+        assert len(reference) == 300
+
+        def router_sees(running: int) -> bool:
+            """The router has read a load report with ``running`` requests on the fleet: what it
+            sent before is covered, so it does not count a finished request's prompt blocks
+            against the engine's room (it would send the next request to the other engine)."""
+            engines = httpx.get(sim.url + "/fleet/state", timeout=STALL_S).json()["engines"]
+            return sum(engine["running"] for engine in engines) == running and all(
+                (engine["kv_usage"] > 0) == bool(engine["running"]) for engine in engines
+            )
+
+        wait_until(lambda: router_sees(0), STALL_S, "the router to see the fleet idle")
+        with start(sim.url, older_prompt, 150) as older:
+            older_lines = older.iter_lines()
+            assert len(_tokens(older, older_lines, 1)) == 1
+            wait_until(lambda: router_sees(1), STALL_S, "the router to see the older request")
+            with start(sim.url, moved_prompt, 300) as moving:
+                source = moving.headers["X-Shoal-Engine"]
+                assert source == older.headers["X-Shoal-Engine"]
+                target = "sim-1" if source == "sim-0" else "sim-0"
+                lines = moving.iter_lines()
+                got = _tokens(moving, lines, 1)
+                request_id = moving.headers["X-Shoal-Request-Id"]
+                result = fleet.control(source).Migrate(
+                    pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin"),
+                    timeout=STALL_S,
+                )
+                assert pb.Outcome.Name(result.outcome) == "MIGRATED", result.detail
+                got += _tokens(moving, lines, 10_000)
+            assert len(_tokens(older, older_lines, 10_000)) == 149
+        # Every token once, the same as never moved (the simulated engines draw a moved
+        # request's tokens on from where it was).
+        assert got == reference
+        raw = fleet.redis.get(fleet.keys.engine(source))
+        assert raw is not None
+        metrics = httpx.get(engine_record_decoder.decode(raw).http_address + "/metrics", timeout=STALL_S).text
+        lost = re.search(r"^shoal_engine_migration_stages_lost_total\{[^}]*\} (\S+)$", metrics, re.M)
+        preempted = re.search(r"^shoal_sim_preemptions_total\{?[^ ]*\}? (\S+)$", metrics, re.M)
+        assert preempted is not None and float(preempted.group(1)) >= 1, "the source preempted nothing"
+        assert lost is not None and float(lost.group(1)) >= 1, "no pre-copy stage was sent again"
+        fleet.redis.close()

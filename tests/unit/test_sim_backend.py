@@ -106,6 +106,21 @@ async def test_a_full_cache_preempts_and_every_request_still_completes() -> None
     assert backend.load().kv_blocks_used == 0
 
 
+async def test_a_request_continued_elsewhere_draws_the_tokens_it_would_have_drawn() -> None:
+    """Moved (or taken over after its engine died) with the tokens it had, a request goes on
+    with the same tokens as the one never moved, as greedy decoding of the same context does."""
+    backend = await _started(seed=3)
+    try:
+        whole, _ = await _run(backend, [4, 5, 6], 30)
+        tokens: list[int] = []
+        options = SamplingOptions(max_tokens=30 - 12)
+        async for output in backend.generate("moved", [4, 5, 6, *whole[:12]], options, produced=12):
+            tokens += output.token_ids
+    finally:
+        backend.shutdown()
+    assert whole[:12] + tokens == whole
+
+
 async def test_each_request_counts_the_times_it_lost_its_blocks() -> None:
     """What the simulated KV agent reads to tell a send its request was preempted during."""
     backend = await _started(block_size=16, kv_blocks=8, max_model_len=128)

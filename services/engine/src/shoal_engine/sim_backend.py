@@ -417,8 +417,7 @@ class SimulatedBackend:
         produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         # ``priority`` is not used: the simulated batch admits first come, first served, as
-        # vLLM's FCFS policy does; nor ``produced`` (its text holds nothing back). ``kv_params``
-        # can only bring a migration's staged KV.
+        # vLLM's FCFS policy does. ``kv_params`` can only bring a migration's staged KV.
         load = (kv_params or {}).get("load")
         if kv_params and not isinstance(load, dict):
             raise BackendRequestError("the simulated engine takes only a migration's staged KV")
@@ -427,14 +426,20 @@ class SimulatedBackend:
                 f"prompt ({len(prompt_token_ids)}) plus max_tokens ({sampling.max_tokens}) exceed "
                 f"max_model_len ({self.config.max_model_len})"
             )
-        digest = hashlib.blake2b(array("q", prompt_token_ids).tobytes(), digest_size=8).digest()
-        seed = int.from_bytes(digest, "little") ^ self.config.seed ^ (sampling.seed or 0)
+        # Seeded by the client's prompt alone: a request continued here after ``produced`` tokens
+        # elsewhere (moved, or its engine died) draws on from where it was, as greedy decoding
+        # of the same context would.
+        original = prompt_token_ids[: len(prompt_token_ids) - produced]
+        digest = hashlib.blake2b(array("q", original).tobytes(), digest_size=8).digest()
+        rng = random.Random(int.from_bytes(digest, "little") ^ self.config.seed ^ (sampling.seed or 0))
+        for _ in range(produced):
+            rng.randrange(self.config.vocab_size)
         request = SimRequest(
             request_id,
             len(prompt_token_ids),
             sampling.max_tokens,
             frozenset(sampling.stop_token_ids),
-            random.Random(seed),
+            rng,
         )
         stream = _Stream(request)
         self._streams[request_id] = stream
