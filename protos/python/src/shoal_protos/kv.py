@@ -105,6 +105,23 @@ class SentBlocks(_Tagged):
     preempted: bool = False
 
 
+def lost_send(command: SendBlocks, sent_bytes: int, seconds: float) -> SentBlocks | AgentError:
+    """The reply to a send during which vLLM preempted its request (its blocks freed, maybe
+    reused): a pre-copy stage counts for nothing and goes again from the same block once the
+    request has its blocks back; the send after a migration's stop (in the one step vLLM may
+    still run) fails the move, and the source runs the request on."""
+    if command.partial:
+        return AgentError(message=f"request {command.request_id} lost its blocks while they were sent")
+    return SentBlocks(
+        next_block=command.first_block,
+        blocks=0,
+        bytes=sent_bytes,
+        seconds=seconds,
+        tokens_written=0,
+        preempted=True,
+    )
+
+
 class BlockBytes(_Tagged):
     """Reply to ``ReadBlocks`` / ``ReadStaged``: blocks in order, all layers of block 0 first."""
 

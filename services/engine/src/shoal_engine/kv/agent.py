@@ -419,22 +419,7 @@ class KvAgent:
         sent, count = self._paced_send(command, ids)
         with self._lock:
             if self._tables.get(command.request_id) is not table or table.epoch != epoch:
-                if command.partial:
-                    # The send after the stop (vLLM preempted it in the one step it may still
-                    # run): the move fails and the source runs the request on.
-                    return kv.AgentError(
-                        message=f"request {command.request_id} lost its blocks while they were sent"
-                    )
-                # A pre-copy stage: the caller sends these blocks again once the request has
-                # them back (it recomputes them when it resumes).
-                return kv.SentBlocks(
-                    next_block=command.first_block,
-                    blocks=0,
-                    bytes=sent,
-                    seconds=time.perf_counter() - started,
-                    tokens_written=0,
-                    preempted=True,
-                )
+                return kv.lost_send(command, sent, time.perf_counter() - started)
         return kv.SentBlocks(
             next_block=command.first_block + count,
             blocks=count,

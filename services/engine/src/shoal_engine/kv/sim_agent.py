@@ -174,18 +174,7 @@ class SimKvAgent:
         if self._backend.times_preempted(command.request_id) != preempted:
             # As the real agent: the batch took the blocks back during the send, so none of
             # them is staged (the target counts staged blocks; they go again later).
-            if command.partial:
-                return kv.AgentError(
-                    message=f"request {command.request_id} lost its blocks while they were sent"
-                )
-            return kv.SentBlocks(
-                next_block=command.first_block,
-                blocks=0,
-                bytes=nbytes,
-                seconds=time.perf_counter() - started,
-                tokens_written=0,
-                preempted=True,
-            )
+            return kv.lost_send(command, nbytes, time.perf_counter() - started)
         if count:
             header = kv.StageHeader(
                 migration_id=command.migration_id,
