@@ -75,6 +75,20 @@ def moving_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MovingFle
         yield fleet
 
 
+Streaming = contextlib.AbstractContextManager[httpx.Response]
+
+
+def _tokens(lines: Iterator[str], want: int) -> list[int]:
+    """Token ids from a streaming completion's events until ``want`` came (or the stream ended)."""
+    token_ids: list[int] = []
+    for line in lines:
+        if line.startswith("data: {"):
+            token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            if len(token_ids) >= want:
+                break
+    return token_ids
+
+
 def _move_a_stream(fleet: MovingFleet, reason: str) -> tuple[pb.MigrationResult, str, str]:
     """Stream a 300-token prompt's 600 tokens, moving the request (with ``reason``) after 50;
     returns the move's result, its source and its target once every token came, once."""
@@ -82,24 +96,19 @@ def _move_a_stream(fleet: MovingFleet, reason: str) -> tuple[pb.MigrationResult,
         "model": MODEL, "prompt": list(range(300)), "max_tokens": 600, "stream": True,
         "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
-    token_ids: list[int] = []
     with httpx.stream("POST", fleet.url + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         source = response.headers["X-Shoal-Engine"]
         request_id = response.headers["X-Shoal-Request-Id"]
         target = "sim-1" if source == "sim-0" else "sim-0"
         lines = response.iter_lines()
-        while len(token_ids) < 50:
-            line = next(lines)
-            if line.startswith("data: {"):
-                token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+        token_ids = _tokens(lines, 50)
+        assert len(token_ids) >= 50
         result = fleet.control(source).Migrate(
             pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason=reason), timeout=STALL_S
         )
         assert pb.Outcome.Name(result.outcome) == "MIGRATED", result.detail
-        for line in lines:
-            if line.startswith("data: {"):
-                token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+        token_ids += _tokens(lines, 10_000)
     assert len(token_ids) == 600  # every token once: none lost, none repeated
     return result, source, target
 
@@ -154,8 +163,6 @@ async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engin
         await asyncio.sleep(0.1)
 
 
-Streaming = contextlib.AbstractContextManager[httpx.Response]
-
 SHARE = 0.01  # of the time a paced pre-copy may spend sending
 
 
@@ -182,17 +189,6 @@ def test_a_paced_pre_copy_sends_for_its_share_of_the_time_but_a_drain_goes_at_fu
     # The pre-copy (all but the last stage's few blocks) went at 1 % of 8 GB/s.
     assert durations["admin"] >= (paced.bytes - 4 * BLOCK * BYTES_PER_TOKEN) / (8e9 * SHARE) * 1000
     assert durations["drain"] < durations["admin"] / 4, durations
-
-
-def _tokens(response: httpx.Response, lines: Iterator[str], want: int) -> list[int]:
-    """Token ids from a streaming completion's events until ``want`` came (or the stream ended)."""
-    token_ids: list[int] = []
-    for line in lines:
-        if line.startswith("data: {"):
-            token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
-            if len(token_ids) >= want:
-                break
-    return token_ids
 
 
 def test_a_request_preempted_during_its_pre_copy_still_moves_with_every_token_once(
@@ -231,7 +227,7 @@ def test_a_request_preempted_during_its_pre_copy_still_moves_with_every_token_on
     with sim_fleet(logs, cluster, MODEL, engine_args, router_args, per_engine=ports) as sim:
         fleet = MovingFleet(sim.url, redis.Redis.from_url(sim.redis_url), Keys(cluster))
         with start(sim.url, moved_prompt, 300) as alone:
-            reference = _tokens(alone, alone.iter_lines(), 300)
+            reference = _tokens(alone.iter_lines(), 300)
         assert len(reference) == 300
 
         def router_sees(running: int) -> bool:
@@ -246,22 +242,22 @@ def test_a_request_preempted_during_its_pre_copy_still_moves_with_every_token_on
         wait_until(lambda: router_sees(0), STALL_S, "the router to see the fleet idle")
         with start(sim.url, older_prompt, 150) as older:
             older_lines = older.iter_lines()
-            assert len(_tokens(older, older_lines, 1)) == 1
+            assert len(_tokens(older_lines, 1)) == 1
             wait_until(lambda: router_sees(1), STALL_S, "the router to see the older request")
             with start(sim.url, moved_prompt, 300) as moving:
                 source = moving.headers["X-Shoal-Engine"]
                 assert source == older.headers["X-Shoal-Engine"]
                 target = "sim-1" if source == "sim-0" else "sim-0"
                 lines = moving.iter_lines()
-                got = _tokens(moving, lines, 1)
+                got = _tokens(lines, 1)
                 request_id = moving.headers["X-Shoal-Request-Id"]
                 result = fleet.control(source).Migrate(
                     pb.MigrateRequest(request_id=request_id, target_engine_id=target, reason="admin"),
                     timeout=STALL_S,
                 )
                 assert pb.Outcome.Name(result.outcome) == "MIGRATED", result.detail
-                got += _tokens(moving, lines, 10_000)
-            assert len(_tokens(older, older_lines, 10_000)) == 149
+                got += _tokens(lines, 10_000)
+            assert len(_tokens(older_lines, 10_000)) == 149
         # Every token once, the same as never moved (the simulated engines draw a moved
         # request's tokens on from where it was).
         assert got == reference

@@ -41,6 +41,20 @@ class PlayedEngine:
     engine_id: str
     pull: zmq.asyncio.Socket
     push: zmq.asyncio.Socket | None = None
+    address: str = ""
+
+    @classmethod
+    def bound(cls, engine_id: str, ctx: zmq.asyncio.Context) -> PlayedEngine:
+        """An engine whose PULL socket listens on a free local port, at ``address``."""
+        address = f"tcp://127.0.0.1:{free_port()}"
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(address)
+        return cls(engine_id, pull, address=address)
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        if self.push is not None:
+            self.push.close(linger=0)
 
     async def next_add(self) -> AddRequest:
         frames = await asyncio.wait_for(self.pull.recv_multipart(), timeout=5)
@@ -69,14 +83,11 @@ async def played_fleet(
     fleet = FleetView(aioredis.Redis(), Keys("test"), lambda _: None, engines.engine_lost)
     played: dict[str, PlayedEngine] = {}
     for engine_id in ("e0", "e1"):
-        pull = ctx.socket(zmq.PULL)
-        address = f"tcp://127.0.0.1:{free_port()}"
-        pull.bind(address)
-        played[engine_id] = PlayedEngine(engine_id, pull)
+        engine = played[engine_id] = PlayedEngine.bound(engine_id, ctx)
         record = EngineRecord(
             engine_id=engine_id,
             model=MODEL,
-            zmq_address=address,
+            zmq_address=engine.address,
             http_address="",
             max_model_len=100,
             protocol_version=PROTOCOL_VERSION,
@@ -84,7 +95,7 @@ async def played_fleet(
             kv_blocks_total=kv_blocks_total,
         )
         fleet.engines[engine_id] = EngineView(record)
-        engines.connect(engine_id, address)
+        engines.connect(engine_id, engine.address)
     generation.setdefault("max_inflight", 10)
     generation.setdefault("max_attempts", 3)
     router = Generation("r", [MODEL], fleet, engines, metrics, **generation)
@@ -95,7 +106,5 @@ async def played_fleet(
         ingest.cancel()
         await engines.aclose()
         for engine in played.values():
-            engine.pull.close(linger=0)
-            if engine.push is not None:
-                engine.push.close(linger=0)
+            engine.close()
         ctx.term()

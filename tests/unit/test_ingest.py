@@ -11,7 +11,6 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
-import zmq
 import zmq.asyncio
 
 from shoal_protos.messages import AddRequest, RequestPiece, SamplingOptions
@@ -26,17 +25,13 @@ from tests.unit.played_engines import PlayedEngine
 async def _router() -> AsyncIterator[tuple[EngineClient, PlayedEngine]]:
     ctx = zmq.asyncio.Context()
     client = EngineClient(ctx, f"tcp://127.0.0.1:{free_port()}", 100, on_link=lambda *_: None)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    engine = PlayedEngine("e0", ctx.socket(zmq.PULL))
-    engine.pull.bind(address)
-    client.connect("e0", address)
+    engine = PlayedEngine.bound("e0", ctx)
+    client.connect("e0", engine.address)
     try:
         yield client, engine
     finally:
         await client.aclose()
-        engine.pull.close(linger=0)
-        if engine.push is not None:
-            engine.push.close(linger=0)
+        engine.close()
         ctx.term()
 
 

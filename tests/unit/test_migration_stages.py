@@ -19,7 +19,7 @@ import zmq
 from shoal_engine.config import EngineConfig
 from shoal_engine.kv.sim_agent import SimKvAgent, SimStaging
 from shoal_engine.metrics import EngineMetrics
-from shoal_engine.migration import MigrationManager
+from shoal_engine.migration import MigrationError, MigrationManager
 from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
@@ -176,7 +176,7 @@ async def _move(
             await asyncio.sleep(0.01)
         record = migration_record_decoder.decode(raw)
         assert (record.outcome, record.stages, record.kv_tokens) == (
-            {pb.MIGRATED: "MIGRATED", pb.FAILED: "FAILED"}[result.outcome],
+            pb.Outcome.Name(result.outcome),
             result.stages,
             result.kv_tokens,
         )
@@ -240,8 +240,6 @@ async def test_a_send_after_the_stop_that_loses_its_blocks_leaves_the_request_on
         async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
             reply = await super().call(command)
             if isinstance(command, kv.SendBlocks) and command.partial:
-                from shoal_engine.migration import MigrationError
-
                 raise MigrationError("KV agent: request r3 lost its blocks while they were sent")
             return reply
 
