@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from shoal_engine.backend import BackendRequestError
-from shoal_engine.sim_backend import STEP_MODELS, SimConfig, SimulatedBackend, StepModel
+from shoal_engine.sim_backend import STEP_MODELS, SimBatch, SimConfig, SimRequest, SimulatedBackend, StepModel
 from shoal_protos.messages import FinishReason, SamplingOptions
 
 FAST = 2000.0
@@ -72,6 +72,31 @@ def test_step_time_grows_with_batch_context_and_prefill() -> None:
     gpu = STEP_MODELS["llama3-8b-a100"]
     assert 8.0 < gpu.step_ms(64, [], 64 * 1000) < 20.0  # memory-bound decode: weights dominate
     assert isinstance(gpu, StepModel) and gpu.source
+
+
+def test_a_step_gives_tokens_only_to_requests_still_in_its_batch() -> None:
+    """A request that leaves its batch during a step (moved: dropped there, admitted in the
+    target's batch) gets no token from the step it left, though the step listed it; requests
+    that finish leave the batch, and the others keep their order."""
+    config = SimConfig(kv_blocks=64, block_size=16, max_model_len=256)
+    source, target = SimBatch(config), SimBatch(config)
+    requests = [SimRequest(f"r{i}", 20, 2 if i == 1 else 50) for i in range(4)]
+    for request in requests:
+        source.add(request)
+    source.finish(source.plan())  # prefills all four: one token each
+    step = source.plan()
+    assert step is not None and step.decoding == requests
+    moved = requests[2]
+    source.drop(moved)
+    reserved = target.blocks(moved.context + 1)
+    assert target.reserve(reserved)
+    target.admit_moved(moved, reserved)
+    emitted = source.finish(step)
+    assert [r.request_id for r, _ in emitted] == ["r0", "r1", "r3"]
+    assert moved.generated == 1 and moved.batch is target and target.running == [moved]
+    assert requests[1].finish == FinishReason.LENGTH and requests[1].batch is None
+    assert source.running == [requests[0], requests[3]]
+    assert source.free == 64 - sum(r.blocks for r in source.running)
 
 
 async def test_blocks_follow_the_contexts_and_come_back() -> None:

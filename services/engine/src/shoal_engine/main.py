@@ -23,6 +23,7 @@ from typing import Annotated
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
+import uvloop
 import zmq
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
         backend = VllmBackend(config)
     try:
-        code = asyncio.run(run(config, backend))
+        code = uvloop.run(run(config, backend))
     finally:
         if agent is not None:
             agent.close()
