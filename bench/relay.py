@@ -476,10 +476,12 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def tokens_for(args: argparse.Namespace, streams: int) -> int:
-    """Tokens each stream asks for: ``--tokens``, times streams / 512 beyond 512 streams. One
-    router takes in about 1,000 new requests a second here, so with 2,048 short streams the
-    first ones end before the last ones start, and fewer than 2,048 ever run at once."""
-    return args.tokens * max(1, streams // 512)
+    """Tokens each stream asks for: ``--tokens``, times streams / 1,024 beyond 1,024 streams.
+    One router takes in about 1,000 new requests a second here, so with many short streams the
+    first ones end before the last ones start, and fewer than all of them ever run at once (the
+    "most running" column shows it: 400 tokens a stream were enough for 512 streams until the
+    simulated engines got cheaper, and then 270-315 of them ran at once)."""
+    return args.tokens * max(1, streams // 1024)
 
 
 def measure(
@@ -568,7 +570,7 @@ def section(
         "",
         f"`make bench-relay`: {args.engines} simulated engines (A100 step model at "
         f"x{args.sim_speed:g}), "
-        f"every stream asks for {args.tokens:,} tokens (times streams / 512 beyond 512 streams, so "
+        f"every stream asks for {args.tokens:,} tokens (times streams / 1,024 beyond 1,024 streams, so "
         "that all of them run at once); routers, engines and the client share this "
         f"machine's {os.cpu_count()} cores, so tokens/s is bounded by the whole machine and CPU per "
         "token is the routers' own cost. Router delay: from the engine batch being read off the "
@@ -614,7 +616,7 @@ def section(
             "The Rust `vllm-router` (round robin) in front of one Shoal router, in the same run: the "
             "clients talk to vllm-router, whose one worker is the Shoal router, so both relay the "
             "same SSE events and each one's CPU is measured on them. Streams ask for at least "
-            f"{4 * args.tokens:,} tokens here: vllm-router opens its upstream streams more slowly "
+            f"{2 * args.tokens:,} tokens here: vllm-router opens its upstream streams more slowly "
             "than shorter streams end, and the longer streams let all of them run at once.",
             "",
             "| streams | most running | tokens/s | tokens per SSE event | vllm-router CPU per event | "
@@ -668,7 +670,7 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--streams", default="64,512,2048", help="streams per round, comma-separated")
     parser.add_argument("--routers", default="1,2")
-    parser.add_argument("--tokens", type=int, default=400, help="tokens each stream asks for")
+    parser.add_argument("--tokens", type=int, default=800, help="tokens each stream asks for")
     parser.add_argument("--sim-speed", type=float, default=8.0)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument(
@@ -714,7 +716,7 @@ def main() -> None:
             if not args.no_vllm_router:
                 print(f"  the same with vllm-router in front of one router, {streams} streams", flush=True)
                 folder = Path(tempfile.mkdtemp(prefix=f"front-s{streams}-", dir=tmp))
-                tokens_each = max(4 * args.tokens, tokens_for(args, streams))
+                tokens_each = max(2 * args.tokens, tokens_for(args, streams))
                 front_rows.append(measure(args, 1, streams, folder, front=True, tokens_each=tokens_each))
     if baseline_rows:
         print(compare(rows, baseline_rows))
