@@ -78,6 +78,12 @@ async def _reported_loads(
         await client.aclose()
 
 
+def _router_sees(fleet: RunningFleet, engines: list[str]) -> bool:
+    """The router reads Redis and has every one of ``engines`` in dispatch."""
+    health = httpx.get(fleet.base_url + "/health", timeout=STALL_S).json()
+    return bool(health["redis"]) and all(health["engines"].get(e) == "ACTIVE" for e in engines)
+
+
 def _reported_within(fleet: RunningFleet, engine_id: str, seconds: float) -> bool:
     report = fleet.load_report(engine_id)
     return report is not None and time.time() - report.time <= seconds
@@ -145,6 +151,10 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
             "engines ACTIVE",
         )
         wait_until(reporting, STALL_S, "fresh load reports")
+        # A stall of Redis leaves the router dispatching from its last read; its first read
+        # after it can find heartbeats that look late and hold an engine out of dispatch for a
+        # moment: the streams start once the router reads Redis again and sees both engines.
+        wait_until(lambda: _router_sees(smol_fleet, engines), STALL_S, "the router seeing both engines")
         done = await _drain_while_streaming(
             smol_fleet, client, cluster, engines, prompts, references, asked_by
         )
