@@ -27,8 +27,8 @@ The model follows vLLM's continuous batching, simplified:
   in vLLM's worker. A request's KV is its context but the last sampled token; moving it takes
   ``blocks x kv_bytes_per_token x block_size / kv_gbps`` (divided by ``speed``), and a migrated
   request whose blocks were staged joins the batch with no prefill (``SimBatch.admit_moved``).
-  It continues with token ids drawn from its new context, so its text differs from a run that
-  never moved (its count and order of tokens do not).
+  It continues with the token ids it would have drawn unmoved: its generator is seeded by the
+  client's prompt and advanced past the tokens it already has.
 """
 
 from __future__ import annotations
