@@ -167,10 +167,6 @@ class SimRequest:
     """It arrived with its context's KV (a migration): no prefill."""
     preempted: int = 0
     """Times it was preempted (its blocks freed) here."""
-    batch: SimBatch | None = None
-    """The batch it runs in (None while it waits, and once it finished or left): read in place
-    of a search of ``SimBatch.running``, which made a step quadratic in the batch's size. A
-    moved request runs in its target's batch while a step of its source may still list it."""
 
     @property
     def context(self) -> int:
@@ -206,7 +202,10 @@ class SimBatch:
         self.config = config
         self.model = STEP_MODELS[config.model]
         self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
+        # The running requests, oldest first, as the keys of a dict: a step asks whether each
+        # of its requests still runs here (a search of a list made a step quadratic in the
+        # batch's size), and a request that finishes or is dropped leaves at once.
+        self.running: dict[SimRequest, None] = {}
         self.free = config.kv_blocks
         self.preemptions = 0
         self.steps = 0
@@ -223,9 +222,8 @@ class SimBatch:
 
     def drop(self, request: SimRequest) -> None:
         """An aborted (or moved) request leaves the line or the batch and gives its blocks back."""
-        if request.batch is self:
-            self.running.remove(request)
-            request.batch = None
+        if request in self.running:
+            del self.running[request]
         elif request in self.waiting:
             self.waiting.remove(request)
         self.free += request.blocks
@@ -254,8 +252,7 @@ class SimBatch:
             return
         self.free -= need
         request.blocks = need
-        request.batch = self
-        self.running.append(request)
+        self.running[request] = None
 
     def load(self, into: BackendLoad) -> BackendLoad:
         into.num_running = len(self.running)
@@ -275,8 +272,7 @@ class SimBatch:
             self.waiting.popleft()
             request.blocks = need
             self.free -= need
-            request.batch = self
-            self.running.append(request)
+            self.running[request] = None
             admitted.append(request)
             budget -= request.context
             if budget <= 0:
@@ -287,15 +283,14 @@ class SimBatch:
         """Give each decoding request the block its next token needs; preempt the newest
         running requests when none is free. Returns those still decoding."""
         for request in decoding:
-            if request.batch is not self:
+            if request not in self.running:
                 continue  # preempted earlier in this pass
             while self.blocks(request.context + 1) > request.blocks:
                 if self.free:
                     self.free -= 1
                     request.blocks += 1
                     continue
-                victim = self.running.pop()
-                victim.batch = None
+                victim, _ = self.running.popitem()
                 self.free += victim.blocks
                 victim.blocks = 0
                 victim.preempted += 1
@@ -304,7 +299,7 @@ class SimBatch:
                 PREEMPTIONS.inc()
                 if victim is request:
                     break
-        return [r for r in decoding if r.batch is self]
+        return [r for r in decoding if r in self.running]
 
     def plan(self) -> Step | None:
         """Admit and grow for the next step; None when there is nothing to run."""
@@ -313,7 +308,7 @@ class SimBatch:
         decoding = list(self.running)
         admitted = self._admit()
         decoding = self._grow(decoding)
-        admitted = [r for r in admitted if r.batch is self]
+        admitted = [r for r in admitted if r in self.running]
         if not admitted and not decoding:  # cannot happen (a lone request always fits)
             raise RuntimeError("the simulated engine has requests but can run none")
         context = sum(r.context for r in decoding)
@@ -324,9 +319,8 @@ class SimBatch:
         """End ``step``: each of its requests still running gets a token; finished requests
         leave the batch. Returns the (request, token id) pairs."""
         emitted = []
-        finished = False
         for request in (*step.admitted, *step.decoding):
-            if request.batch is not self:  # aborted or moved during the step
+            if request not in self.running:  # aborted or moved during the step
                 continue
             token = request.rng.randrange(self.config.vocab_size) if request.rng is not None else 0
             request.generated += 1
@@ -335,13 +329,10 @@ class SimBatch:
             elif request.generated >= request.max_tokens:
                 request.finish = FinishReason.LENGTH
             if request.finish is not None:
-                finished = True
-                request.batch = None
+                del self.running[request]
                 self.free += request.blocks
                 request.blocks = 0
             emitted.append((request, token))
-        if finished:
-            self.running = [r for r in self.running if r.batch is self]
         self.steps += 1
         return emitted
 

@@ -435,7 +435,7 @@ class Simulation:
             self.balancer.ended(move, self.now)
 
         def stage(number: int, copied: int) -> None:
-            if request.batch is not batch:  # finished or preempted during the copy
+            if request not in batch.running:  # finished or preempted during the copy
                 abandon()
                 return
             full = request.context // fleet.sim.block_size
