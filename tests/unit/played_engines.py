@@ -1,6 +1,7 @@
 """Two engines played by a test over real ZeroMQ sockets, behind the router's real
 ``Generation``: the router's frames arrive on plain PULL sockets, and the test sends pieces back
-with the real frames. Used by the unit tests of the request path (resume, hold)."""
+with the real frames. Used by the unit tests of the request path (resume, hold, streams, clients
+that leave); ``served`` puts the router's app over it in a real uvicorn server."""
 
 from __future__ import annotations
 
@@ -13,23 +14,27 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+import uvicorn
 import zmq
 import zmq.asyncio
 
 from shoal_protos.messages import (
     PROTOCOL_VERSION,
+    AbortRequest,
     AddRequest,
     EngineRequestDecoder,
     OutputBatch,
     RequestPiece,
 )
 from shoal_protos.records import EngineRecord, Keys
+from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.serving import Generation
 from shoal_router.core.dispatch import EngineView
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
+from shoal_router.ipc.tokenizing import TokenizerClient
 from shoal_router.metrics import RouterMetrics
-from tests.integration.support import free_port
+from tests.integration.support import free_port, until
 
 MODEL = "m"
 
@@ -56,9 +61,13 @@ class PlayedEngine:
         if self.push is not None:
             self.push.close(linger=0)
 
-    async def next_add(self) -> AddRequest:
+    async def next_frame(self) -> AddRequest | AbortRequest:
+        """The next request the router sends this engine (within a deadline)."""
         frames = await asyncio.wait_for(self.pull.recv_multipart(), timeout=5)
-        message = EngineRequestDecoder().decode(frames[0], frames[1])
+        return EngineRequestDecoder().decode(frames[0], frames[1])
+
+    async def next_add(self) -> AddRequest:
+        message = await self.next_frame()
         assert isinstance(message, AddRequest), message
         return message
 
@@ -108,3 +117,20 @@ async def played_fleet(
         for engine in played.values():
             engine.close()
         ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def served(generation: Generation) -> AsyncIterator[str]:
+    """The router's app over ``generation`` in a real uvicorn server on this loop; its URL."""
+    app = with_server_send(create_app(generation, TokenizerClient("127.0.0.1:1", 1.0), 1))
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+    serving = asyncio.create_task(server.serve())
+    await until(lambda: server.started)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)

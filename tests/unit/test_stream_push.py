@@ -10,7 +10,6 @@ token reaches the client once, in order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,16 +17,14 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-import uvicorn
 
 from shoal_protos.messages import FinishReason, RequestPiece
-from shoal_router.api.app import SseEvents, _Pusher, create_app, with_server_send
+from shoal_router.api.app import SseEvents, _Pusher
 from shoal_router.api.serving import Generation
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
-from shoal_router.ipc.tokenizing import TokenizerClient
 from shoal_router.metrics import RouterMetrics
-from tests.integration.support import free_port, until
-from tests.unit.played_engines import MODEL, PlayedEngine, played_fleet
+from tests.integration.support import until
+from tests.unit.played_engines import MODEL, PlayedEngine, played_fleet, served
 
 RID = "r-1"
 
@@ -137,23 +134,6 @@ async def test_a_write_that_fails_is_raised_to_the_stream_task() -> None:
     reader.cancel()
 
 
-@contextlib.asynccontextmanager
-async def _served(generation: Generation) -> AsyncIterator[str]:
-    """The router's app over ``generation`` in a real uvicorn server on this loop."""
-    app = with_server_send(create_app(generation, TokenizerClient("127.0.0.1:1", 1.0), 1))
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    serving = asyncio.create_task(server.serve())
-    await until(lambda: server.started)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, 10)
-
-
 @pytest.fixture
 async def fleet() -> AsyncIterator[tuple[Generation, dict[str, PlayedEngine]]]:
     async with played_fleet() as (generation, played):
@@ -173,7 +153,7 @@ async def test_streams_through_uvicorn_deliver_every_token_once(
     generation, played = fleet
     count = 90  # the played engines' context is 100 tokens
     texts: list[str] = []
-    async with _served(generation) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async with served(generation) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
 
         async def read() -> None:
             body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": count, "stream": True}
@@ -211,7 +191,7 @@ async def test_a_client_that_stops_reading_gets_every_token_once_when_it_reads_a
         finish = FinishReason.LENGTH if index == count - 1 else None
         return RequestPiece(add.request_id, index, [index], f"<{index}>{filler}", finish_reason=finish)
 
-    async with _served(generation) as url:
+    async with served(generation) as url:
         host, port = url.removeprefix("http://").split(":")
         # A fixed receive buffer: the kernel would otherwise grow it to tens of MB.
         sock = socket.socket()

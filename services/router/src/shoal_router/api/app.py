@@ -12,8 +12,8 @@ import functools
 import logging
 import time
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -21,8 +21,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal_router.api.auth import KeyFile
@@ -32,6 +35,7 @@ from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
 from shoal_router.core.ratelimit import ApiKey, RateLimiter
 from shoal_router.errors import (
+    InvalidRequestError,
     PriorityNotAllowedError,
     RouterError,
     ServiceUnavailableError,
@@ -56,21 +60,33 @@ def error_response(exc: RouterError, retry_after_s: int = 1) -> JSONResponse:
     return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+def invalid_body(errors: Sequence[Any]) -> InvalidRequestError:
+    """The 400 for a request body that failed validation (pydantic's ``errors()``), naming the
+    field at fault in ``param``."""
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ())]
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, UnsupportedFieldError):
-        param, message = cause.field, str(cause)
-    elif first.get("type") == "json_invalid":
-        param, message = None, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-    elif first.get("type") == "model_attributes_type" or not loc:
-        param, message = None, f"the request body must be a JSON object: {first.get('msg', '')}"
-    else:
-        param = ".".join(loc)
-        message = f"invalid value for {param!r}: {first.get('msg', 'invalid')}"
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
-    return JSONResponse(body, status_code=400)
+        return InvalidRequestError(str(cause), param=cause.field)
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "")
+        return InvalidRequestError(f"the request body is not valid JSON: {reason}")
+    if first.get("type") in ("model_type", "model_attributes_type") or not loc:
+        return InvalidRequestError(f"the request body must be a JSON object: {first.get('msg', '')}")
+    param = ".".join(loc)
+    return InvalidRequestError(f"invalid value for {param!r}: {first.get('msg', 'invalid')}", param=param)
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+async def request_body(request: Request, model: type[_Body]) -> _Body:
+    """The request's JSON body read as ``model`` (pydantic parses the bytes itself); a body
+    that is not JSON, not an object, or breaks the model raises the 400 naming the field."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise invalid_body(exc.errors()) from None
 
 
 def _now() -> int:
@@ -211,16 +227,52 @@ _ERRORS = {
     503: "No engine serves the model right now, or the tokenizer is unreachable (see `Retry-After`)",
 }
 _GENERATION_ERRORS = (400, 401, 403, 404, 429, 502, 503)
+# The generation routes (plain Starlette routes, which FastAPI does not document): their body
+# models and the summaries FastAPI would give them.
+_GENERATION_ROUTES: dict[str, tuple[type[BaseModel], str]] = {
+    "/v1/completions": (CompletionRequest, "Completions"),
+    "/v1/chat/completions": (ChatCompletionRequest, "Chat Completions"),
+}
+
+
+def _generation_operations(schemas: dict[str, Any]) -> dict[str, Any]:
+    """The generation routes' path items as FastAPI writes an operation with a body model;
+    their models' schemas go into ``schemas``."""
+    refs, definitions = models_json_schema(
+        [(model, "validation") for model, _ in _GENERATION_ROUTES.values()],
+        ref_template="#/components/schemas/{model}",
+    )
+    schemas.update(definitions.get("$defs", {}))
+    paths: dict[str, Any] = {}
+    for path, (model, summary) in _GENERATION_ROUTES.items():
+        paths[path] = {
+            "post": {
+                "summary": summary,
+                "operationId": summary.lower().replace(" ", "_") + path.replace("/", "_") + "_post",
+                "requestBody": {
+                    "content": {"application/json": {"schema": refs[(model, "validation")]}},
+                    "required": True,
+                },
+                "responses": {
+                    "200": {
+                        "description": "Successful Response",
+                        "content": {"application/json": {"schema": {}}},
+                    }
+                },
+            }
+        }
+    return paths
 
 
 def _openapi_document(app: FastAPI, keys_on: bool) -> dict[str, Any]:
-    """FastAPI's document with the router's real error answers: OpenAI error JSON for each
-    status a route can give (and no 422: invalid bodies are 400s), SSE for streamed answers,
-    and bearer auth where keys are on."""
+    """FastAPI's document, with the generation routes, and the router's real error answers:
+    OpenAI error JSON for each status a route can give (and no 422: invalid bodies are 400s),
+    SSE for streamed answers, and bearer auth where keys are on."""
     if app.openapi_schema:
         return app.openapi_schema
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    document["paths"] = dict(sorted({**document["paths"], **_generation_operations(schemas)}.items()))
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["Error"] = _ERROR_SCHEMA
@@ -490,7 +542,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc)
+        # FastAPI's errors name where the value was ("body", "query") before the field.
+        errors = [{**error, "loc": tuple(error.get("loc", ()))[1:]} for error in exc.errors()]
+        return error_response(invalid_body(errors))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -546,8 +600,12 @@ def create_app(
         ]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    # The two generation routes are plain Starlette routes that read their body with pydantic
+    # themselves: FastAPI's per-request dependency solving and body handling cost about 60 us
+    # of the router's CPU per request (``docs/benchmarks.md``, request rate). The OpenAPI
+    # document describes them from the same models (``_openapi_document``).
+    async def completions(request: Request) -> Response:
+        body = await request_body(request, CompletionRequest)
         generation.check_model(body.model)
         if isinstance(body.prompt, str):
             prompt_ids = await tokenizer.tokenize_text(body.model, body.prompt)
@@ -556,12 +614,18 @@ def create_app(
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         return await _generate(request, body, prompt_ids, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await request_body(request, ChatCompletionRequest)
         generation.check_model(body.model)
         messages = [(m.role, m.text()) for m in body.messages]
         prompt_ids = await tokenizer.tokenize_chat(body.model, messages)
         return await _generate(request, body, prompt_ids, body.output_limit(), chat=True)
+
+    # First in the route table: the router tries each route's path in turn.
+    app.router.routes[:0] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
 
     async def _generate(
         request: Request,
@@ -593,36 +657,43 @@ def create_app(
                 raise
             charge = functools.partial(rate_limiter.charge, caller)
         session = request.headers.get(generation.session_header)
-        handle = await generation.start(
-            body.model, prompt_ids, sampling, on_close=charge, session=session, priority=body.priority
-        )
-        deltas = handle.deltas()
-        # Wait for the first output before answering, so that an engine refusing the request
-        # still gets an HTTP status of its own rather than an error event in a 200 stream.
+        deltas: AsyncIterator[RequestDelta] | None = None
+        connected = _WhileConnected(request.receive)
         try:
-            first = await _first_or_disconnect(request, deltas)
+            async with connected:
+                handle = await generation.start(
+                    body.model, prompt_ids, sampling, on_close=charge, session=session, priority=body.priority
+                )
+                deltas = handle.deltas()
+                # Wait for the first output before answering, so that an engine refusing the
+                # request still gets an HTTP status of its own rather than an error event in a
+                # 200 stream.
+                first = await anext(deltas)
+                response_id = ("chatcmpl-" if chat else "cmpl-") + handle.request_id.rsplit("-", 1)[-1]
+                if not body.stream:
+                    return await _collect(handle, body, first, deltas, response_id, chat)
         except BaseException:
-            await deltas.aclose()
+            if deltas is not None:
+                await _aclose(deltas)
             raise
-        if first is None:
-            await deltas.aclose()
+        if connected.left:  # the client went away before the answer began
+            if deltas is not None:
+                await _aclose(deltas)
             return Response(status_code=499)
-        response_id = ("chatcmpl-" if chat else "cmpl-") + handle.request_id.rsplit("-", 1)[-1]
-        if body.stream:
-            events = SseEvents(
-                response_id,
-                body.model,
-                chat=chat,
-                include_usage=body.include_usage,
-                prompt_token_ids=handle.prompt_token_ids if body.return_token_ids else None,
-            )
-            return _EventStream(
-                _stream(handle, body, first, deltas, events),
-                headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id, REQUEST_HEADER: handle.request_id},
-                body_send=getattr(request.state, "body_send", None),
-                pusher=lambda send: _Pusher(handle, events, send, metrics.relay_delay),
-            )
-        return await _collect(request, handle, body, first, deltas, response_id, chat)
+        assert deltas is not None
+        events = SseEvents(
+            response_id,
+            body.model,
+            chat=chat,
+            include_usage=body.include_usage,
+            prompt_token_ids=handle.prompt_token_ids if body.return_token_ids else None,
+        )
+        return _EventStream(
+            _stream(handle, body, first, deltas, events),
+            headers={**_SSE_HEADERS, ENGINE_HEADER: first.engine_id, REQUEST_HEADER: handle.request_id},
+            body_send=getattr(request.state, "body_send", None),
+            pusher=lambda send: _Pusher(handle, events, send, metrics.relay_delay),
+        )
 
     async def _stream(
         handle: GenerationHandle,
@@ -654,7 +725,6 @@ def create_app(
             await _aclose(deltas)
 
     async def _collect(
-        request: Request,
         handle: GenerationHandle,
         body: CompletionRequest | ChatCompletionRequest,
         first: RequestDelta,
@@ -665,17 +735,12 @@ def create_app(
         parts = [first.text]
         token_ids = list(first.token_ids)
         last = first
-
-        async def gather() -> None:
-            nonlocal last
-            async for delta in deltas:
-                parts.append(delta.text)
-                token_ids.extend(delta.token_ids)
-                last = delta
-
         try:
-            if not first.finished and not await _until_disconnect(request, gather()):
-                return Response(status_code=499)
+            if not first.finished:
+                async for delta in deltas:
+                    parts.append(delta.text)
+                    token_ids.extend(delta.token_ids)
+                    last = delta
         finally:
             await _aclose(deltas)
         text = "".join(parts)
@@ -686,15 +751,17 @@ def create_app(
             choice["text"] = text
         if body.return_token_ids:
             choice["token_ids"] = token_ids
-        return JSONResponse(
-            {
-                "id": response_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": _now(),
-                "model": body.model,
-                "choices": [choice],
-                "usage": _usage(handle),
-            },
+        answer = {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": _now(),
+            "model": body.model,
+            "choices": [choice],
+            "usage": _usage(handle),
+        }
+        return Response(
+            _json.encode(answer),
+            media_type="application/json",
             headers={ENGINE_HEADER: last.engine_id, REQUEST_HEADER: handle.request_id},
         )
 
@@ -711,35 +778,37 @@ async def _aclose(deltas: AsyncIterator[RequestDelta]) -> None:
         await aclose()
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+class _WhileConnected:
+    """``async with``: the block is cancelled if the client disconnects while it runs, and
+    ends quietly then with ``left`` true (any other cancellation goes on).
 
+    One plain task listens for the disconnect and cancels the handler's own task, which is
+    waiting in the block (for a slot, for room on an engine, for output): a cancellation can
+    reach the task only where it waits, so only inside the block. Waiting on the work and the
+    listener as two tasks (``asyncio.wait``) cost two tasks per request, and once more for a
+    whole answer."""
 
-async def _until_disconnect(request: Request, work: Awaitable[None]) -> bool:
-    """Run ``work`` unless the client disconnects first; True when the work finished."""
-    work_task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait([work_task, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    if work_task.done() and not work_task.cancelled():
-        work_task.result()  # re-raise the work's error, if any
-        return True
-    return False
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self.left = False
 
+    async def __aenter__(self) -> _WhileConnected:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._listener = asyncio.get_running_loop().create_task(self._listen())
+        return self
 
-async def _first_or_disconnect(request: Request, deltas: AsyncIterator[RequestDelta]) -> RequestDelta | None:
-    result: list[RequestDelta] = []
+    async def _listen(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.left = True
+        self._task.cancel()
 
-    async def first() -> None:
-        result.append(await anext(deltas))
-
-    if not await _until_disconnect(request, first()):
-        return None
-    return result[0]
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
+        self._listener.cancel()
+        # The listener's cancel ends here; one from elsewhere as well (the server shutting
+        # down) goes on.
+        return exc_type is asyncio.CancelledError and self.left and not self._task.uncancel()

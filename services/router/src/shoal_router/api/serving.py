@@ -16,8 +16,8 @@ aborts the request on its engine.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from shoal_protos.messages import AddRequest, FinishReason, PieceError, SamplingOptions
@@ -69,6 +69,10 @@ class Generation:
         self.inflight = 0
         # Requests waiting for an engine with KV room (``core.hold``); None: never held.
         self.held = HoldLine(hold, self.pick, self.roomiest) if hold is not None and hold.max_s > 0 else None
+        # The gauges of requests in flight and waiting are read when scraped, not set per request.
+        metrics.inflight.set_function(lambda: self.inflight)
+        metrics.queued.set_function(lambda: self.admission.waiting)
+        metrics.held.set_function(lambda: len(self.held) if self.held is not None else 0)
 
     @property
     def router_id(self) -> str:
@@ -129,17 +133,13 @@ class Generation:
         request)."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
-        self.metrics.queued.inc()
-        try:
-            await self.admission.enter()
-        finally:
-            self.metrics.queued.dec()
+        await self.admission.enter()
         handle: GenerationHandle | None = None
         try:
             handle = GenerationHandle(
                 self,
                 model,
-                f"{self._router_id}-{uuid.uuid4().hex}",
+                f"{self._router_id}-{secrets.token_hex(16)}",
                 AddRequest("", prompt_token_ids, sampling, self.engines.reply_to, priority=priority),
                 on_close,
                 session,
@@ -180,7 +180,6 @@ class Generation:
             await sent
         finally:
             self.held.leave(held)
-            self.metrics.held.set(len(self.held))
 
     def release_held(self) -> None:
         """Send the held requests that now have room or waited their longest (called after
@@ -194,7 +193,6 @@ class Generation:
     def _count_hold(self, expired: int, spilled: int) -> None:
         """The hold line's metrics, given its counts before what it just did."""
         assert self.held is not None
-        self.metrics.held.set(len(self.held))
         if self.held.expired != expired:
             self.metrics.hold_expired.inc(self.held.expired - expired)
         if self.held.spilled != spilled:
@@ -274,7 +272,6 @@ class GenerationHandle:
         view.sent(ask.prompt_blocks)
         if self._attempts == 1:
             gen.inflight += 1
-            gen.metrics.inflight.set(gen.inflight)
             gen.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
             gen.metrics.queue.labels(self.model).observe(time.monotonic() - self.arrived)
         gen.metrics.dispatched.labels(view.engine_id, self.model, gen.scheduler.name).inc()
@@ -403,7 +400,6 @@ class GenerationHandle:
             gen.metrics.e2e.labels(self.model, "client_disconnected").observe(time.monotonic() - self.arrived)
         self._leave_engine()
         gen.inflight -= 1
-        gen.metrics.inflight.set(gen.inflight)
         gen.admission.leave()
         if self._on_close is not None:
             self._on_close(self.collector.delivered)
