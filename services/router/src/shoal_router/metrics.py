@@ -59,8 +59,8 @@ class LoopCounterChild:
 
 
 class _LoopFamily(Generic[C]):
-    """A metric family updated only from the event loop's thread, for the series the stream
-    path touches on every SSE event or engine batch.
+    """A metric family updated only from the event loop's thread, for the series the request
+    and stream paths touch on every request, SSE event or engine batch.
 
     prometheus_client's ``Histogram`` and ``Counter`` take a lock on every update (and a
     histogram scans its bounds and takes two), which the router, one thread, does not need:
@@ -156,13 +156,16 @@ class LoopCounter(_LoopFamily[LoopCounterChild]):
 
 @dataclass(frozen=True, slots=True)
 class ModelMetrics:
-    """One model's series of the per-token metrics, looked up once: ``labels()`` costs more
-    than the observation itself, and the stream path observes every SSE event."""
+    """One model's series of the per-request and per-token metrics, looked up once:
+    ``labels()`` costs more than the observation itself, and the stream path observes every
+    SSE event."""
 
-    ttft: Histogram
+    ttft: LoopHistogramChild
     token_gap: LoopHistogramChild
     output_tokens: LoopCounterChild
-    tpot: Histogram
+    tpot: LoopHistogramChild
+    prompt_tokens: LoopCounterChild
+    queue: LoopHistogramChild
     migrations: Counter
     migration_stall: Histogram
 
@@ -172,7 +175,7 @@ class RouterMetrics:
         self._models: dict[str, ModelMetrics] = {}
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total, resident memory, open fds
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "shoal_router_requests",
             "HTTP requests answered, by endpoint and status code.",
             ["endpoint", "status"],
@@ -198,7 +201,7 @@ class RouterMetrics:
             "(prefix or session affinity, round robin) was short of it.",
             registry=r,
         )
-        self.dispatched = Counter(
+        self.dispatched = LoopCounter(
             "shoal_router_dispatched",
             "Requests sent to each engine, by the dispatch policy that chose it.",
             ["engine", "model", "policy"],
@@ -257,7 +260,7 @@ class RouterMetrics:
             ["model", "state"],
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "shoal_router_time_to_first_token_seconds",
             "From request arrival to the first output token.",
             ["model"],
@@ -271,27 +274,27 @@ class RouterMetrics:
             buckets=_TOKEN_GAP_BUCKETS,
             registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "shoal_router_request_seconds",
             "From request arrival to its end.",
             ["model", "finish_reason"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = LoopCounter(
             "shoal_router_prompt_tokens", "Prompt tokens of requests.", ["model"], registry=r
         )
         self.output_tokens = LoopCounter(
             "shoal_router_output_tokens", "Output tokens delivered.", ["model"], registry=r
         )
-        self.tpot = Histogram(
+        self.tpot = LoopHistogram(
             "shoal_router_time_per_output_token_seconds",
             "Per request: from its first output token to its last, over the tokens after the first.",
             ["model"],
             buckets=_TOKEN_GAP_BUCKETS,
             registry=r,
         )
-        self.queue = Histogram(
+        self.queue = LoopHistogram(
             "shoal_router_queue_seconds",
             "From request arrival to its dispatch to an engine (tokenizing, picking and any hold for KV room "
             "included).",
@@ -363,6 +366,8 @@ class RouterMetrics:
                 self.token_gap.labels(model),
                 self.output_tokens.labels(model),
                 self.tpot.labels(model),
+                self.prompt_tokens.labels(model),
+                self.queue.labels(model),
                 self.migrations.labels(model),
                 self.migration_stall.labels(model),
             )

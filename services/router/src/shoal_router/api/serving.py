@@ -272,8 +272,8 @@ class GenerationHandle:
         view.sent(ask.prompt_blocks)
         if self._attempts == 1:
             gen.inflight += 1
-            gen.metrics.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
-            gen.metrics.queue.labels(self.model).observe(time.monotonic() - self.arrived)
+            self._metrics.prompt_tokens.inc(self.prompt_tokens)
+            self._metrics.queue.observe(time.monotonic() - self.arrived)
         gen.metrics.dispatched.labels(view.engine_id, self.model, gen.scheduler.name).inc()
 
     def _leave_engine(self) -> None:
