@@ -133,6 +133,10 @@ bench-priority: setup ## Decode latency of priority requests with and without KV
 bench-relay: setup ## Tokens/s and router CPU per token through one and two routers (simulated engines); writes docs/benchmarks.md
 	$(PY) bench/relay.py $(BENCH_ARGS)
 
+.PHONY: bench-requests
+bench-requests: setup ## Short requests per second through one router, its CPU per request, beside the Rust vllm-router (simulated engines); writes docs/benchmarks.md
+	$(PY) bench/request_rate.py $(BENCH_ARGS)
+
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) bench/migration.py $(BENCH_ARGS)
