@@ -13,8 +13,10 @@ import pytest
 
 from shoal_protos.messages import AbortRequest, AddRequest, FinishReason, RequestPiece
 from shoal_router.api.serving import Generation
+from shoal_router.core.hold import HoldPolicy
 from tests.integration.support import until
 from tests.unit.played_engines import MODEL, PlayedEngine, played_fleet, served
+from tests.unit.test_hold import BLOCKS, report
 
 Fleet = tuple[Generation, dict[str, PlayedEngine]]
 
@@ -105,3 +107,22 @@ async def test_a_client_that_leaves_while_waiting_for_a_slot_is_never_sent(fleet
         assert isinstance(message, AddRequest) and message.prompt_token_ids == [3], message
         await _leave(first)
         await _leave(third)
+
+
+async def test_a_client_that_leaves_while_held_for_kv_room_leaves_the_hold_line() -> None:
+    """Every engine is short of KV: the request waits at the router for room, and its client
+    leaves. It leaves the line at once (not after ``max_s``), and its slot is free again."""
+    async with (
+        played_fleet(kv_blocks_total=BLOCKS, hold=HoldPolicy(below=2.0, max_s=60.0), max_inflight=1) as (
+            generation,
+            _,
+        ),
+        served(generation) as url,
+    ):
+        for view in generation.fleet.engines.values():
+            report(view, running=20, used=1000)
+        client = await _send(url, [1, 2, 3], stream=True)
+        await until(lambda: len(generation.held or []) == 1, what="the request to be held")
+        await _leave(client)
+        await until(lambda: len(generation.held or []) == 0, 10, "the request to leave the hold line")
+        assert generation.inflight == 0 and not generation.admission._slots.locked()
