@@ -14,6 +14,7 @@ import contextlib
 import faulthandler
 import gc
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from types import FrameType
 
@@ -325,6 +326,41 @@ def _quiet_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+LISTEN_SOCKETS = 16
+"""The router listens on its port with this many sockets (``SO_REUSEPORT``; the kernel spreads
+new connections over them). The event loop (libuv) accepts one connection per listening socket
+each time it goes round, and a loop busy relaying tokens goes round a few hundred times a
+second: with one socket, a burst of 512 new streams waited up to 1.6-3 s to be accepted
+(``docs/benchmarks.md``, request rate)."""
+
+_LISTEN_BACKLOG = 2048
+
+
+def listening_sockets(host: str, port: int, count: int = LISTEN_SOCKETS) -> list[socket.socket]:
+    """``count`` sockets listening on ``host:port`` together. The port is first bound alone, so
+    that one another process holds is refused (``OSError``) as it would be with one socket,
+    rather than shared with it; port 0 takes a free port, the same for all of them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            sock.listen(_LISTEN_BACKLOG)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
 async def serve(config: RouterConfig) -> None:
     app = build_app(config)
     _quiet_gc()
@@ -337,7 +373,7 @@ async def serve(config: RouterConfig) -> None:
             timeout_graceful_shutdown=5,
         )
     )
-    await server.serve()
+    await server.serve(sockets=listening_sockets(config.host, config.port))
 
 
 def main(argv: list[str] | None = None) -> None:
