@@ -476,11 +476,11 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
 
 
 def tokens_for(args: argparse.Namespace, streams: int) -> int:
-    """Tokens each stream asks for: ``--tokens``, times streams / 1,024 beyond 1,024 streams.
-    One router takes in about 1,000 new requests a second here, so with many short streams the
-    first ones end before the last ones start, and fewer than all of them ever run at once (the
-    "most running" column shows it: 400 tokens a stream were enough for 512 streams until the
-    simulated engines got cheaper, and then 270-315 of them ran at once; 800, 337)."""
+    """Tokens each stream asks for: ``--tokens``, times streams / 1,024 beyond 1,024 streams, so
+    that the first streams do not end before the last ones start and all of them run at once
+    (the "most running" column). Until the router listened with several sockets it took in
+    only a few hundred new streams a second while relaying, and 400 tokens a stream left 270-315
+    of 512 running at once (``docs/benchmarks.md``, relay, seventh round)."""
     return args.tokens * max(1, streams // 1024)
 
 
