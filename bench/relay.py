@@ -26,6 +26,14 @@ per event), so that it leaves more of the machine to the routers and engines tha
 On two cores the routers, the engines and this client share the CPU, so tokens/s here is a
 floor set by the whole machine; CPU per token is the router's own cost. Results go between
 ``<!-- relay:begin -->`` and ``<!-- relay:end -->`` of ``docs/benchmarks.md``.
+
+Paced rounds (first; ``--only-paces`` runs nothing else): one router and ``--pace-streams``
+streams with the engines at each ``--paces`` speed, from a real A100's pace (x1) to this
+machine's limit, for the delay the router adds to each token as the load grows
+(``shoal_router_relay_delay_seconds``, its quantiles estimated within the buckets); after each,
+``bench/fanout_floor.py`` at the same load: a server that only writes, the floor of that delay
+for any single-threaded Python server. Results between ``<!-- relay-pace:begin -->`` and
+``<!-- relay-pace:end -->``, and ``docs/img/relay_delay_by_load.png``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -471,8 +480,33 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
     return float("nan")
 
 
+def interpolated_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Quantile ``q`` (ms) of the events between two readings of the histogram, estimated
+    linearly within the bucket that holds it, as Prometheus' ``histogram_quantile`` does (the
+    highest finite bound when it falls in the last, unbounded bucket)."""
+    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    total = counts[-1][1] if counts else 0.0
+    if not total:
+        return float("nan")
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, cumulative in counts:
+        if cumulative >= rank:
+            if math.isinf(bound):
+                return lower * 1000
+            share = (rank - below) / (cumulative - below) if cumulative > below else 1.0
+            return (lower + (bound - lower) * share) * 1000
+        lower, below = bound, cumulative
+    return float("nan")
+
+
 def cpu_seconds(procs: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
+
+
+def system_seconds(procs: list[psutil.Process]) -> float:
+    """The kernel's share of ``cpu_seconds``: on loopback, a write's system call also runs the
+    receiving side's TCP and wakes the reader."""
+    return sum(p.cpu_times().system for p in procs)
 
 
 def tokens_for(args: argparse.Namespace, streams: int) -> int:
@@ -499,6 +533,7 @@ def measure(
         engine_procs = [psutil.Process(pid) for pid in running.engine_pids]
         front_procs = [psutil.Process(running.front_pid)] if running.front_pid else []
         router_before, engine_before = cpu_seconds(router_procs), cpu_seconds(engine_procs)
+        router_system_before = system_seconds(router_procs)
         front_before = cpu_seconds(front_procs)
         delays_before = relay_delay_buckets(running.router_urls)
         started = time.perf_counter()
@@ -507,6 +542,7 @@ def measure(
         client_cpu = cpu_seconds([psutil.Process()]) - client_before
         wall = time.perf_counter() - started
         router_cpu = cpu_seconds(router_procs) - router_before
+        router_system = system_seconds(router_procs) - router_system_before
         engine_cpu = cpu_seconds(engine_procs) - engine_before
         front_cpu = cpu_seconds(front_procs) - front_before
         delays_after = relay_delay_buckets(running.router_urls)
@@ -530,12 +566,16 @@ def measure(
         "router_cpu_us_per_event": router_cpu / events * 1e6 if events else float("nan"),
         "engine_cpu_us_per_token": engine_cpu / tokens * 1e6 if tokens else float("nan"),
         "router_cpu_cores": router_cpu / wall,
+        "router_system_share": router_system / router_cpu if router_cpu else float("nan"),
         "gap_p50_ms": gaps[len(gaps) // 2] * 1000 if gaps else float("nan"),
         "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"),
         "engine_step_ms": step_ms,
         "peak_running": peak_running,
         "relay_p50_ms": bucket_quantile(delays_before, delays_after, 0.5),
         "relay_p99_ms": bucket_quantile(delays_before, delays_after, 0.99),
+        "relay_p50_est_ms": interpolated_quantile(delays_before, delays_after, 0.5),
+        "relay_p90_est_ms": interpolated_quantile(delays_before, delays_after, 0.9),
+        "relay_p99_est_ms": interpolated_quantile(delays_before, delays_after, 0.99),
         "client_cpu_us_per_event": client_cpu / events * 1e6 if events else float("nan"),
         "front_cpu_us_per_token": front_cpu / tokens * 1e6 if tokens and front else float("nan"),
         "front_cpu_us_per_event": front_cpu / events * 1e6 if events and front else float("nan"),
@@ -546,7 +586,8 @@ def measure(
         f"  {label}{routers} router(s), {streams:>4} streams: "
         f"{row['tokens_per_s']:8.0f} tok/s "
         f"({row['tokens_per_event']:.2f} per event), router CPU {row['router_cpu_us_per_token']:5.1f} "
-        f"us/token {row['router_cpu_us_per_event']:5.1f} us/event ({row['router_cpu_cores']:.2f} cores), "
+        f"us/token {row['router_cpu_us_per_event']:5.1f} us/event ({row['router_cpu_cores']:.2f} cores, "
+        f"{row['router_system_share']:.0%} in the kernel), "
         f"engines {row['engine_cpu_us_per_token']:.1f} us/token, client {row['client_cpu_us_per_event']:.1f} "
         f"us/event, gap p50 {row['gap_p50_ms']:.2f} ms "
         f"p99 {row['gap_p99_ms']:.2f} ms, engine step {row['engine_step_ms']:.2f} ms, "
@@ -633,6 +674,133 @@ def section(
     return "\n".join(lines)
 
 
+PACE_BEGIN, PACE_END = "<!-- relay-pace:begin -->", "<!-- relay-pace:end -->"
+PACE_PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "relay_delay_by_load.png"
+
+
+def paced(args: argparse.Namespace, folder: Path) -> list[dict[str, float]]:
+    """One router and ``--pace-streams`` streams with the engines at each ``--paces`` speed of the
+    A100 step model: what the router adds to each token as the load grows from a real A100's
+    pace (x1) to this machine's limit. Each stream asks for ``--pace-tokens`` times the speed,
+    so that every round lasts about as long."""
+    rows = []
+    for speed in (float(p) for p in args.paces.split(",")):
+        tokens = round(args.pace_tokens * speed)
+        print(
+            f"  paced round: engines at x{speed:g}, {args.pace_streams} streams of {tokens} tokens",
+            flush=True,
+        )
+        at_pace = argparse.Namespace(**{**vars(args), "sim_speed": speed, "tokens": tokens})
+        row = measure(
+            at_pace, 1, args.pace_streams, Path(tempfile.mkdtemp(prefix=f"pace-{speed:g}-", dir=folder))
+        )
+        floor = fanout_floor(args, args.pace_streams, tokens, row["engine_step_ms"])
+        rows.append({**row, "speed": speed, **{f"floor_{key}": value for key, value in floor.items()}})
+    return rows
+
+
+def fanout_floor(
+    args: argparse.Namespace, streams: int, tokens: int, period_ms: float, threads: int = 1
+) -> dict[str, float]:
+    """``bench/fanout_floor.py`` (a bare server that only writes) at the paced round's load:
+    ``streams`` streams of ``tokens`` events, a burst to all of them every engine step, read by
+    the same client. Returns its delay quantiles (ms) and CPU per write."""
+    port = free_port()
+    command = [
+        sys.executable, str(Path(__file__).with_name("fanout_floor.py")), "--port", str(port),
+        "--streams", str(streams), "--tokens", str(tokens), "--period-ms", f"{period_ms:.3f}",
+        "--threads", str(threads),
+    ]  # fmt: skip
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as server:
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError("the fan-out floor server did not start")
+        results = uvloop.run(round_of([f"http://127.0.0.1:{port}"], streams, tokens, args.client))
+        report = json.loads(server.stdout.readline())
+    errors = [r.error for r in results if r.error]
+    report["errors"] = len(errors)
+    print(
+        f"  bare fan-out ({threads} thread(s)), {streams} streams every {period_ms:.2f} ms: write delay p50 "
+        f"{report['delay_p50_ms']:.2f} ms p99 {report['delay_p99_ms']:.2f} ms, "
+        f"{report['cpu_us_per_write']:.1f} us per write ({report['system_share']:.0%} in the kernel), "
+        f"{len(errors)} errors",
+        flush=True,
+    )
+    return cast(dict[str, float], report)
+
+
+def pace_section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
+    lines = [
+        PACE_BEGIN,
+        "### Relay: the delay one router adds, from a real A100's pace to this machine's limit",
+        "",
+        f"One router, {args.engines} simulated engines and {args.pace_streams} streams, the engines' "
+        "step model at each speed below (x1: an A100 serving Llama-3-8B; x8: as fast as this "
+        "machine runs the rest). Router delay: from the engine batch being read off the router's "
+        "socket to the token's SSE event being handed to the client's connection "
+        "(`shoal_router_relay_delay_seconds`), its quantiles estimated within the histogram's "
+        "buckets as Prometheus' `histogram_quantile` does. Target: p99 at most 2 ms at 512 "
+        "streams. Gap: between a stream's SSE events at the client (the engine's step, and "
+        "everything after it). Bare fan-out, in the same run after each round: "
+        "`bench/fanout_floor.py`, a uvloop server that only writes, one event of the same size to "
+        "every stream once per engine step of that round, read by the same client; its delay is "
+        "from the start of each burst to each write's return, measured exactly (the floor of any "
+        "single-threaded Python server at this load; its CPU per write is nearly all the kernel's: "
+        "on loopback the write runs the reader's TCP side and wakes it).",
+        "",
+        "| engine pace | streams | most running | tokens/s | tokens per SSE event | engine step | "
+        "router CPU (cores) | router CPU per token (kernel share) | router delay p50 | p90 | p99 | "
+        "bare fan-out p50 | p90 | p99 | its CPU per write (kernel share) | gap p50 | gap p99 | errors |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| x{r['speed']:g} | {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_event']:.2f} | {r['engine_step_ms']:.2f} ms | {r['router_cpu_cores']:.2f} | "
+            f"{r['router_cpu_us_per_token']:.1f} us ({r['router_system_share']:.0%}) | "
+            f"{r['relay_p50_est_ms']:.2f} ms | {r['relay_p90_est_ms']:.2f} ms | "
+            f"{r['relay_p99_est_ms']:.2f} ms | {r['floor_delay_p50_ms']:.2f} ms | "
+            f"{r['floor_delay_p90_ms']:.2f} ms | {r['floor_delay_p99_ms']:.2f} ms | "
+            f"{r['floor_cpu_us_per_write']:.1f} us ({r['floor_system_share']:.0%}) | "
+            f"{r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | {r['errors'] + r['floor_errors']:g} |"
+        )
+    lines += ["", f"![router delay by load](img/{PACE_PLOT.name})", PACE_END]
+    return "\n".join(lines)
+
+
+def pace_plot(rows: list[dict[str, float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    load = [r["tokens_per_s"] / 1000 for r in rows]
+    for key, label, style in (
+        ("relay_p50_est_ms", "p50", "o-"),
+        ("relay_p90_est_ms", "p90", "s-"),
+        ("relay_p99_est_ms", "p99", "^-"),
+    ):
+        ax.plot(load, [r[key] for r in rows], style, label=label)
+    ax.plot(load, [r["floor_delay_p99_ms"] for r in rows], "k:", marker="x", label="bare fan-out p99 (floor)")
+    for r, x in zip(rows, load, strict=True):
+        ax.annotate(f"x{r['speed']:g}", (x, r["relay_p99_est_ms"]), textcoords="offset points", xytext=(4, 6))
+    ax.axhline(2.0, color="grey", linestyle="--", linewidth=1, label="target p99: 2 ms")
+    ax.set_xlabel("tokens/s relayed by one router (thousands)")
+    ax.set_ylabel("router delay per token (ms)")
+    ax.set_yscale("log")
+    ax.set_yticks([1, 2, 5, 10, 20, 50])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_title(f"What one router adds to each token, {int(rows[0]['streams'])} streams")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    PACE_PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PACE_PLOT, dpi=110)
+    plt.close(fig)
+
+
 GUARD_FILE = Path(__file__).with_name("relay_guard.json")
 # The guard fails when the router's cost relative to the engines' grows past this many times
 # the recorded ratio: far above run-to-run noise, well below what a real regression costs
@@ -695,9 +863,28 @@ def main() -> None:
         default=0.0,
         help="limit each router to this many CPUs (a cgroup quota, as a pod's CPU limit; needs root)",
     )
+    parser.add_argument(
+        "--paces",
+        default="1,2,4,8",
+        help="engine speeds of the paced rounds (one router, --pace-streams streams), comma-separated",
+    )
+    parser.add_argument("--pace-streams", type=int, default=512)
+    parser.add_argument(
+        "--pace-tokens", type=int, default=300, help="tokens each paced stream asks for, times the speed"
+    )
+    parser.add_argument("--no-paces", action="store_true", help="skip the paced rounds")
+    parser.add_argument("--only-paces", action="store_true", help="run only the paced rounds")
     args = parser.parse_args()
     if args.guard or args.record_guard:
         sys.exit(guard(args, record=args.record_guard))
+    if not args.no_paces:
+        with tempfile.TemporaryDirectory(prefix="shoal-relay-pace-") as tmp:
+            pace_rows = paced(args, Path(tmp))
+        if not args.no_docs:
+            pace_plot(pace_rows)
+        publish(pace_section(args, pace_rows), PACE_BEGIN, PACE_END, print_only=args.no_docs)
+    if args.only_paces:
+        return
     rows, baseline_rows, front_rows = [], [], []
     with tempfile.TemporaryDirectory(prefix="shoal-relay-") as tmp:
         for streams in (int(s) for s in args.streams.split(",")):
