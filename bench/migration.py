@@ -29,7 +29,10 @@ the gap before the event that carries the target's first token (the source stopp
 inter-token time). Beside it: the same gap as the target engine recorded it (source's last token
 to target's first, no router or client in it), and the longest gap of the move, from the call to
 the target's second token (before the hand-over the request still decodes on the source, whose
-core the pre-copy and the warm-up share).
+core the pre-copy and the warm-up share). The results file also keeps, for each move, the same
+gap minus the median of the target's next 8 gaps (``local_stall_ms``: a baseline from the
+machine's speed at the switch, which swings by up to 2x over minutes here) and the raw gaps
+from the call to then (``gaps_ms``).
 
 **Slowdown** (same fleet): ``--bystanders`` long greedy streams decode on both engines; a request
 of each ``--slowdown-contexts`` length joins and, after ``--move-after`` tokens, is moved with
@@ -282,6 +285,11 @@ def stall_once(
     # hand-over the request still decodes on the source, whose core the pre-copy shares.
     window = gaps[move_after - 1 : max(switch + 2, move_after)]
     worst = max(window)
+    # The target's own pace right after the hand-over: this machine's speed swings by up to 2x
+    # over minutes (the usual gap of one 8k stream read 57-119 ms in one run), and a stream's
+    # median mixes the phases its gaps fell in; the next gaps on the target share the switch's.
+    after = gaps[switch + 1 : switch + 9]
+    local = statistics.median(after) if len(after) >= 3 else usual
     raw_record = client.get(Keys(fleet_cfg.cluster).migration(result.migration_id))
     engine_stall = migration_record_decoder.decode(raw_record).stall_ms if raw_record else None
     return {
@@ -296,6 +304,11 @@ def stall_once(
         "engine_stall_ms": max(0.0, (engine_stall or 0.0) - usual),
         "gap_ms": gaps[switch],
         "itl_ms": usual,
+        # The same gap minus the median of the target's next 8 gaps (the phase-local baseline),
+        # and the raw gaps from the call to then, for reading single moves.
+        "local_stall_ms": max(0.0, gaps[switch] - local),
+        "local_itl_ms": local,
+        "gaps_ms": gaps[move_after - 1 : switch + 9],
         "downtime_ms": result.downtime_ms,
         "bytes": result.bytes,
         "stages": result.stages,
@@ -361,7 +374,8 @@ def stall(
                 rows.append(row)
                 say(
                     f"stall: context {context}, {mode} #{i + 1}: {row['stall_ms']:.1f} ms "
-                    f"(gap {row['gap_ms']:.1f}, usual {row['itl_ms']:.1f}; target's clock "
+                    f"(gap {row['gap_ms']:.1f}, usual {row['itl_ms']:.1f}, "
+                    f"target's next {row['local_itl_ms']:.1f}; target's clock "
                     f"{row['engine_stall_ms']:.1f} ms; worst gap of the move {row['worst_ms']:.1f} ms; "
                     f"{row['bytes'] / 1e6:.1f} MB)"
                 )
