@@ -83,8 +83,8 @@ class FleetConfig:
     default paces it as the operator does for CPU engines (a pre-copy under one 8 MiB chunk, about
     350 tokens of SmolLM2, is not slowed at all)."""
     kv_block_size: int = 32
-    """KV block size in tokens when migration is on (the CPU build's smallest): the tail a
-    migrated request recomputes on its target is shorter than a block or two."""
+    """KV block size in tokens when migration is on (the CPU build's smallest): a move's last
+    stage, after the stop, sends the partly filled block and the ones filled since the pre-copy."""
     max_model_len: int | None = 2048
     dtype: str = "bfloat16"
     """Weights and KV cache precision of the engines."""
