@@ -42,9 +42,12 @@ in which nothing moves: the same streams on the same engines, back to back, so t
 drift stays out of the pair. Slowdown = the mean over the pairs of (the bystanders' mean
 inter-token gap on the source while moving / just before - 1), with a 95 % bootstrap interval;
 the same on the target, whose moving window runs 250 ms past the move (it injects and admits at
-the end, and takes the request on). Each of ``--slowdown-paces`` (pre-copy MiB/s like ``64``, a
-share of the time like ``5%``, or ``0``: unpaced) gets a fleet of its own; the stall runs on the
-first.
+the end, and takes the request on). The same windows are read on the engines' clock too (each
+engine's ``vllm:inter_token_latency_seconds``, read before and after each window), which a
+client or router held up by the machine does not move; on the client's clock a pair whose
+client was held up over ``CLIENT_HOLD_MS`` is left out. Each of ``--slowdown-paces`` (pre-copy
+MiB/s like ``64``, a share of the time like ``5%``, or ``0``: unpaced) gets a fleet of its own;
+the stall runs on the first.
 
 Every run's numbers go to ``bench/results/migration-<time>.json``; a part skipped with
 ``--skip-*`` is reported from the last run that measured it. Results go between
@@ -70,6 +73,7 @@ from typing import Any
 import httpx
 import torch
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -414,6 +418,60 @@ def _other(engine: str) -> str:
     return "engine-1" if engine == "engine-0" else "engine-0"
 
 
+async def _engine_itl(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    """vLLM's own inter-token latency on one engine so far: (seconds summed, count). vLLM stamps
+    each step's outputs in its engine core, so a window's mean from two readings is the engine's,
+    whatever held up the client or the router."""
+    text = (await client.get(url + "/metrics")).text
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:inter_token_latency_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
+def _itl_between(a: tuple[float, float], b: tuple[float, float]) -> float | None:
+    """Mean inter-token gap (ms) between two readings of ``_engine_itl``."""
+    return (b[0] - a[0]) / (b[1] - a[1]) * 1000 if b[1] > a[1] else None
+
+
+# A pair whose windows saw the client's own event loop held up longer than this is left out: its
+# stamps then bunch tokens that came apart, and its next window is as long as the hold-up.
+CLIENT_HOLD_MS = 50.0
+
+
+class _LoopWatch:
+    """Wakes every ``tick_s`` and keeps how late each wake-up was: the longest hold-up of this
+    event loop (by the machine, not by the engines) between two times."""
+
+    def __init__(self, tick_s: float = 0.02) -> None:
+        self._tick_s = tick_s
+        self._late: list[tuple[float, float]] = []  # (when it woke, how late, ms)
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            due = time.perf_counter() + self._tick_s
+            await asyncio.sleep(self._tick_s)
+            now = time.perf_counter()
+            self._late.append((now, (now - due) * 1000))
+
+    def __enter__(self) -> _LoopWatch:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def held_ms(self, start: float, end: float) -> float:
+        return max((late for at, late in self._late if start <= at <= end), default=0.0)
+
+
 async def slowdown_scene(
     cfg: FleetConfig,
     context: int,
@@ -424,11 +482,12 @@ async def slowdown_scene(
 ) -> list[dict[str, Any]]:
     """``bystanders`` long streams decode on both engines; a request of ``context`` tokens joins
     and, after ``move_after`` tokens, is moved back and forth between the engines ``moves`` + 1
-    times. Before each move comes a window with no move, as long as the move before it took (the
-    first move only sets that length): the same streams on the same engines, the moved request
-    still on its source, just before. Returns one pair per measured move: the bystanders'
-    inter-token gaps on the source and on the target in the window without a move and in the move
-    (on the target, 250 ms past it: it injects and admits at the end)."""
+    times. Before each move comes a window with no move, as long as the move before it took on
+    its source (the first move only sets that length): the same streams on the same engines, the
+    moved request still on its source, just before. Returns one pair per measured move: the
+    bystanders' inter-token gaps on the source and on the target in the window without a move and
+    in the move (on the target, 250 ms past it: it injects and admits at the end), and the
+    longest hold-up of this client's own event loop over both windows (``client_held_ms``)."""
     stubs = _control_stubs(cfg)
 
     def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -442,74 +501,108 @@ async def slowdown_scene(
         }
 
     pairs: list[dict[str, Any]] = []
+    others: list[dict[str, Any]] = [{"stamps": []} for _ in range(bystanders)]
+    mover: dict[str, Any] = {"stamps": []}
+    long_enough = cfg.max_model_len - 32
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as client:
-        others = [{"stamps": []} for _ in range(bystanders)]
-        long_enough = cfg.max_model_len - 32
         tasks = [
             asyncio.create_task(
                 _stream_stamps(client, body([rng.randrange(100, 40000) for _ in range(16)], long_enough), o)
             )
             for o in others
         ]
-        mover: dict[str, Any] = {"stamps": []}
         try:
-            await _until(lambda: all(len(o["stamps"]) >= 4 for o in others), 120, "the bystanders to decode")
-            prompt = [rng.randrange(100, 40000) for _ in range(context)]
-            tasks.append(
-                asyncio.create_task(
-                    _stream_stamps(client, body(prompt, cfg.max_model_len - context - 8), mover)
+            with _LoopWatch() as watch:
+                await _until(
+                    lambda: all(len(o["stamps"]) >= 4 for o in others), 120, "the bystanders to decode"
                 )
-            )
-            await _until(lambda: len(mover["stamps"]) >= move_after, 300, "the request to decode")
-            source, window = mover["engine"], 0.0
-            for i in range(moves + 1):
-                target = _other(source)
-                still_start = time.perf_counter()
-                await asyncio.sleep(window)  # nothing moves: the baseline, just before the move
-                start = time.perf_counter()
-                request = pb.MigrateRequest(
-                    request_id=mover["request_id"], target_engine_id=target, mode=pb.PRECOPY
+                prompt = [rng.randrange(100, 40000) for _ in range(context)]
+                tasks.append(
+                    asyncio.create_task(
+                        _stream_stamps(client, body(prompt, cfg.max_model_len - context - 8), mover)
+                    )
                 )
-                result = await asyncio.to_thread(stubs[source].Migrate, request, timeout=120)
-                if result.outcome != pb.MIGRATED:
-                    say(
-                        f"slowdown: context {context}: move {i} ended "
-                        f"{pb.Outcome.Name(result.outcome)} ({result.detail}); {len(pairs)} pairs"
-                    )
-                    break
-                end = time.perf_counter()
-                await asyncio.sleep(0.25)
-                if i:  # the first move only sets the window's length
+                joined = time.perf_counter()
+                await _until(lambda: len(mover["stamps"]) >= move_after, 300, "the request to decode")
+                say(
+                    f"slowdown: context {context}: {move_after} tokens in "
+                    f"{time.perf_counter() - joined:.1f} s; moving it {moves + 1} times"
+                )
+                source, window = mover["engine"], 0.0
+                engines = {
+                    cfg.engine_id(i): f"http://{cfg.host}:{cfg.engine_http_base_port + i}" for i in (0, 1)
+                }
 
-                    def gaps(engine: str, a: float, b: float) -> list[float]:
-                        return [
-                            g
-                            for o in others
-                            if o.get("engine") == engine
-                            for g in _window_gaps(o["stamps"], a, b)
-                        ]
+                async def itl() -> dict[str, tuple[float, float]]:
+                    read = [_engine_itl(client, url) for url in engines.values()]
+                    return dict(zip(engines, await asyncio.gather(*read), strict=True))
 
-                    pair = {
-                        "context": context,
-                        "window_s": end - start,
-                        "source_moving": gaps(source, start, end),
-                        "source_still": gaps(source, still_start, start),
-                        "target_moving": gaps(target, start, end + 0.25),
-                        "target_still": gaps(target, still_start, start),
-                    }
-                    pairs.append(pair)
-                    say(
-                        f"slowdown: context {context} #{i}: source gaps "
-                        f"{_mean(pair['source_moving']):.1f} ms moving vs "
-                        f"{_mean(pair['source_still']):.1f} ms just before "
-                        f"({pair['window_s'] * 1000:.0f} ms windows)"
+                for i in range(moves + 1):
+                    target = _other(source)
+                    still_start = time.perf_counter()
+                    at_still = await itl()
+                    await asyncio.sleep(window)  # nothing moves: the baseline, just before the move
+                    start = time.perf_counter()
+                    at_start = await itl()
+                    request = pb.MigrateRequest(
+                        request_id=mover["request_id"], target_engine_id=target, mode=pb.PRECOPY
                     )
-                window, source = end - start, target
+                    result = await asyncio.to_thread(stubs[source].Migrate, request, timeout=120)
+                    if result.outcome != pb.MIGRATED:
+                        say(
+                            f"slowdown: context {context}: move {i} ended "
+                            f"{pb.Outcome.Name(result.outcome)} ({result.detail}); {len(pairs)} pairs"
+                        )
+                        break
+                    end = time.perf_counter()
+                    at_end = await itl()
+                    await asyncio.sleep(0.25)
+                    at_after = await itl()
+                    if i:  # the first move only sets the window's length
+                        pair = _slowdown_pair(others, source, target, still_start, start, end)
+                        pair["context"] = context
+                        # The same windows on the engines' clock (all their requests, the moved
+                        # one too while it decodes on its source).
+                        pair["source_engine_still_ms"] = _itl_between(at_still[source], at_start[source])
+                        pair["source_engine_moving_ms"] = _itl_between(at_start[source], at_end[source])
+                        pair["target_engine_still_ms"] = _itl_between(at_still[target], at_start[target])
+                        pair["target_engine_moving_ms"] = _itl_between(at_start[target], at_after[target])
+                        pair["client_held_ms"] = watch.held_ms(still_start, end + 0.25)
+                        pairs.append(pair)
+                        held = pair["client_held_ms"]
+                        say(
+                            f"slowdown: context {context} #{i}: source gaps "
+                            f"{_mean(pair['source_moving']):.1f} ms moving vs "
+                            f"{_mean(pair['source_still']):.1f} ms just before; engine's clock "
+                            f"{pair['source_engine_moving_ms'] or float('nan'):.1f} vs "
+                            f"{pair['source_engine_still_ms'] or float('nan'):.1f} ms "
+                            f"({pair['window_s'] * 1000:.0f} ms windows"
+                            + (f"; client held up {held:.0f} ms, left out" if held > CLIENT_HOLD_MS else "")
+                            + ")"
+                        )
+                    # The move's length on its source: a client held up during the call would
+                    # otherwise make the next window as long as the hold-up.
+                    window, source = result.duration_ms / 1000, target
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     return pairs
+
+
+def _slowdown_pair(
+    others: list[dict[str, Any]], source: str, target: str, still_start: float, start: float, end: float
+) -> dict[str, Any]:
+    def gaps(engine: str, a: float, b: float) -> list[float]:
+        return [g for o in others if o.get("engine") == engine for g in _window_gaps(o["stamps"], a, b)]
+
+    return {
+        "window_s": end - start,
+        "source_moving": gaps(source, start, end),
+        "source_still": gaps(source, still_start, start),
+        "target_moving": gaps(target, start, end + 0.25),
+        "target_still": gaps(target, still_start, start),
+    }
 
 
 def slowdown(
@@ -521,7 +614,7 @@ def slowdown(
     for context in contexts:
         pairs = asyncio.run(slowdown_scene(cfg, context, moves, move_after, bystanders, rng))
         if not pairs:
-            raise RuntimeError(f"slowdown, context {context}: no move could be measured")
+            say(f"slowdown: context {context}: no move could be measured")
         rows += pairs
     return rows
 
@@ -533,11 +626,14 @@ def _mean(values: list[float]) -> float:
 def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per context: the pooled mean gaps, and the slowdown as the mean over the pairs of (mean gap
     while moving / mean gap just before - 1), with its 95 % interval. Pairs leave the machine's
-    drift out: their two windows are back to back."""
+    drift out: their two windows are back to back. Pairs during which the client itself was held
+    up (``held``) are left out."""
     out = []
     for context in sorted({r["context"] for r in rows}):
         pairs = [r for r in rows if r["context"] == context]
-        row: dict[str, Any] = {"context": context, "trials": len(pairs)}
+        held = [p for p in pairs if p.get("client_held_ms", 0.0) > CLIENT_HOLD_MS]
+        pairs = [p for p in pairs if p not in held]
+        row: dict[str, Any] = {"context": context, "trials": len(pairs), "held": len(held)}
         for side in ("source", "target"):
             kept = [p for p in pairs if p[f"{side}_moving"] and p[f"{side}_still"]]
             row[f"{side}_moving_ms"] = _mean([g for p in kept for g in p[f"{side}_moving"]])
@@ -546,6 +642,21 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{side}_slowdown"], row[f"{side}_low"], row[f"{side}_high"] = (
                 bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
             )
+            # On the engines' clock every pair counts: a held-up client does not move it.
+            both = [
+                (p[f"{side}_engine_moving_ms"], p[f"{side}_engine_still_ms"])
+                for p in pairs + held
+                if p.get(f"{side}_engine_moving_ms") and p.get(f"{side}_engine_still_ms")
+            ]
+            engine_ratios = [moving / still - 1 for moving, still in both]
+            row[f"{side}_engine_pairs"] = len(both)
+            row[f"{side}_engine_moving_ms"] = _mean([moving for moving, _ in both])
+            row[f"{side}_engine_still_ms"] = _mean([still for _, still in both])
+            (
+                row[f"{side}_engine_slowdown"],
+                row[f"{side}_engine_low"],
+                row[f"{side}_engine_high"],
+            ) = bootstrap_interval(engine_ratios, statistics.fmean) if engine_ratios else (float("nan"),) * 3
         out.append(row)
     return out
 
@@ -707,18 +818,25 @@ def section(
             "windows before, and on the target (its moving window runs 250 ms past the move: the "
             "target injects, admits and takes the request on at the end); slowdown = the mean over the "
             "pairs of each pair's ratio - 1, with its 95 % bootstrap interval in brackets "
-            "(target: source slowdown <= 5 %). Each pre-copy pace runs on a fleet of its own "
+            "(target: source slowdown <= 5 %). 'Engine's clock': the same windows read from each "
+            "engine's own `vllm:inter_token_latency_seconds` (every request there, stamped in vLLM's "
+            "engine core; every pair counts). Pairs during which the measuring client's own event "
+            f"loop was held up over {CLIENT_HOLD_MS:.0f} ms are left out (its stamps bunch the tokens "
+            f"then); {sum(r.get('held', 0) for r in slow)} in this run. "
+            "Each pre-copy pace runs on a fleet of its own "
             "(`--migration-precopy-mib-per-s`, or `--migration-precopy-share` for a share of the time).",
             "",
             "| pre-copy pace | context | pairs | source, moving | source, before | source slowdown "
-            "| target, moving | target, before | target slowdown |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+            "| target, moving | target, before | target slowdown "
+            "| source slowdown, engine's clock | target slowdown, engine's clock |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
             f"| {pace_label(r.get('pace', '0'))} | {r['context']} | {r['trials']} "
             f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
             f"| {_share(r, 'source')} | {r['target_moving_ms']:.1f} ms "
-            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} |"
+            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} "
+            f"| {_share(r, 'source_engine')} | {_share(r, 'target_engine')} |"
             for r in slow
         ]
         lines.append("")
@@ -727,7 +845,10 @@ def section(
 
 
 def _share(row: dict[str, Any], side: str) -> str:
-    """A slowdown cell: ``+1.2 % [-0.8, +3.1]`` (rows of runs before the interval: no brackets)."""
+    """A slowdown cell: ``+1.2 % [-0.8, +3.1]`` (rows of runs before the interval: no brackets;
+    before the engine's clock: n/a)."""
+    if f"{side}_slowdown" not in row:
+        return "n/a"
     text = f"{100 * row[f'{side}_slowdown']:+.1f} %"
     if f"{side}_low" in row:
         text += f" [{100 * row[f'{side}_low']:+.1f}, {100 * row[f'{side}_high']:+.1f}]"
@@ -780,6 +901,7 @@ def main() -> None:
     started = time.monotonic()
     stalls: list[dict[str, Any]] = []
     slow: list[dict[str, Any]] = []
+    slow_pairs: list[dict[str, Any]] = []
     ready = 0.0
     # One fleet per pre-copy pace; the stall runs on the first (unpaced by default).
     paces = ["0"] if args.skip_slowdown else args.slowdown_paces
@@ -802,6 +924,7 @@ def main() -> None:
                     cfg, args.slowdown_contexts, args.slowdown_moves, args.move_after, args.bystanders
                 )
                 slow += [{**row, "pace": pace} for row in slowdown_summary(rows)]
+                slow_pairs += [{**row, "pace": pace} for row in rows]
         finally:
             fleet.stop()
     # Last: the bandwidth runs allocate and free several GiB, and engines started right after
@@ -816,6 +939,7 @@ def main() -> None:
         "bandwidth": bw,
         "stall": stalls,
         "slowdown": slow,
+        "slowdown_pairs": slow_pairs,
         "note": note,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
