@@ -42,10 +42,8 @@ in which nothing moves: the same streams on the same engines, back to back, so t
 drift stays out of the pair. Slowdown = the mean over the pairs of (the bystanders' mean
 inter-token gap on the source while moving / just before - 1), with a 95 % bootstrap interval;
 the same on the target, whose moving window runs 250 ms past the move (it injects and admits at
-the end, and takes the request on). The same windows are read on the engines' clock too (each
-engine's ``vllm:inter_token_latency_seconds``, read before and after each window), which a
-client or router held up by the machine does not move; on the client's clock a pair whose
-client was held up over ``CLIENT_HOLD_MS`` is left out. Each of ``--slowdown-paces`` (pre-copy
+the end, and takes the request on). A pair whose client was held up over ``CLIENT_HOLD_MS`` (its
+own event loop, watched on a 20 ms tick) is left out. Each of ``--slowdown-paces`` (pre-copy
 MiB/s like ``64``, a share of the time like ``5%``, or ``0``: unpaced) gets a fleet of its own;
 the stall runs on the first.
 
@@ -73,7 +71,6 @@ from typing import Any
 import httpx
 import torch
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -418,27 +415,6 @@ def _other(engine: str) -> str:
     return "engine-1" if engine == "engine-0" else "engine-0"
 
 
-async def _engine_itl(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
-    """vLLM's own inter-token latency on one engine so far: (seconds summed, count). vLLM stamps
-    each step's outputs in its engine core, so a window's mean from two readings is the engine's,
-    whatever held up the client or the router."""
-    text = (await client.get(url + "/metrics")).text
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:inter_token_latency_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_sum"):
-                    total += sample.value
-                elif sample.name.endswith("_count"):
-                    count += sample.value
-    return total, count
-
-
-def _itl_between(a: tuple[float, float], b: tuple[float, float]) -> float | None:
-    """Mean inter-token gap (ms) between two readings of ``_engine_itl``."""
-    return (b[0] - a[0]) / (b[1] - a[1]) * 1000 if b[1] > a[1] else None
-
-
 # A pair whose windows saw the client's own event loop held up longer than this is left out: its
 # stamps then bunch tokens that came apart, and its next window is as long as the hold-up.
 CLIENT_HOLD_MS = 50.0
@@ -529,21 +505,12 @@ async def slowdown_scene(
                     f"{time.perf_counter() - joined:.1f} s; moving it {moves + 1} times"
                 )
                 source, window = mover["engine"], 0.0
-                engines = {
-                    cfg.engine_id(i): f"http://{cfg.host}:{cfg.engine_http_base_port + i}" for i in (0, 1)
-                }
-
-                async def itl() -> dict[str, tuple[float, float]]:
-                    read = [_engine_itl(client, url) for url in engines.values()]
-                    return dict(zip(engines, await asyncio.gather(*read), strict=True))
 
                 for i in range(moves + 1):
                     target = _other(source)
                     still_start = time.perf_counter()
-                    at_still = await itl()
                     await asyncio.sleep(window)  # nothing moves: the baseline, just before the move
                     start = time.perf_counter()
-                    at_start = await itl()
                     request = pb.MigrateRequest(
                         request_id=mover["request_id"], target_engine_id=target, mode=pb.PRECOPY
                     )
@@ -555,27 +522,17 @@ async def slowdown_scene(
                         )
                         break
                     end = time.perf_counter()
-                    at_end = await itl()
                     await asyncio.sleep(0.25)
-                    at_after = await itl()
                     if i:  # the first move only sets the window's length
                         pair = _slowdown_pair(others, source, target, still_start, start, end)
                         pair["context"] = context
-                        # The same windows on the engines' clock (all their requests, the moved
-                        # one too while it decodes on its source).
-                        pair["source_engine_still_ms"] = _itl_between(at_still[source], at_start[source])
-                        pair["source_engine_moving_ms"] = _itl_between(at_start[source], at_end[source])
-                        pair["target_engine_still_ms"] = _itl_between(at_still[target], at_start[target])
-                        pair["target_engine_moving_ms"] = _itl_between(at_start[target], at_after[target])
                         pair["client_held_ms"] = watch.held_ms(still_start, end + 0.25)
                         pairs.append(pair)
                         held = pair["client_held_ms"]
                         say(
                             f"slowdown: context {context} #{i}: source gaps "
                             f"{_mean(pair['source_moving']):.1f} ms moving vs "
-                            f"{_mean(pair['source_still']):.1f} ms just before; engine's clock "
-                            f"{pair['source_engine_moving_ms'] or float('nan'):.1f} vs "
-                            f"{pair['source_engine_still_ms'] or float('nan'):.1f} ms "
+                            f"{_mean(pair['source_still']):.1f} ms just before "
                             f"({pair['window_s'] * 1000:.0f} ms windows"
                             + (f"; client held up {held:.0f} ms, left out" if held > CLIENT_HOLD_MS else "")
                             + ")"
@@ -642,21 +599,6 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{side}_slowdown"], row[f"{side}_low"], row[f"{side}_high"] = (
                 bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
             )
-            # On the engines' clock every pair counts: a held-up client does not move it.
-            both = [
-                (p[f"{side}_engine_moving_ms"], p[f"{side}_engine_still_ms"])
-                for p in pairs + held
-                if p.get(f"{side}_engine_moving_ms") and p.get(f"{side}_engine_still_ms")
-            ]
-            engine_ratios = [moving / still - 1 for moving, still in both]
-            row[f"{side}_engine_pairs"] = len(both)
-            row[f"{side}_engine_moving_ms"] = _mean([moving for moving, _ in both])
-            row[f"{side}_engine_still_ms"] = _mean([still for _, still in both])
-            (
-                row[f"{side}_engine_slowdown"],
-                row[f"{side}_engine_low"],
-                row[f"{side}_engine_high"],
-            ) = bootstrap_interval(engine_ratios, statistics.fmean) if engine_ratios else (float("nan"),) * 3
         out.append(row)
     return out
 
@@ -818,25 +760,21 @@ def section(
             "windows before, and on the target (its moving window runs 250 ms past the move: the "
             "target injects, admits and takes the request on at the end); slowdown = the mean over the "
             "pairs of each pair's ratio - 1, with its 95 % bootstrap interval in brackets "
-            "(target: source slowdown <= 5 %). 'Engine's clock': the same windows read from each "
-            "engine's own `vllm:inter_token_latency_seconds` (every request there, stamped in vLLM's "
-            "engine core; every pair counts). Pairs during which the measuring client's own event "
+            "(target: source slowdown <= 5 %). Pairs during which the measuring client's own event "
             f"loop was held up over {CLIENT_HOLD_MS:.0f} ms are left out (its stamps bunch the tokens "
             f"then); {sum(r.get('held', 0) for r in slow)} in this run. "
             "Each pre-copy pace runs on a fleet of its own "
             "(`--migration-precopy-mib-per-s`, or `--migration-precopy-share` for a share of the time).",
             "",
             "| pre-copy pace | context | pairs | source, moving | source, before | source slowdown "
-            "| target, moving | target, before | target slowdown "
-            "| source slowdown, engine's clock | target slowdown, engine's clock |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+            "| target, moving | target, before | target slowdown |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
             f"| {pace_label(r.get('pace', '0'))} | {r['context']} | {r['trials']} "
             f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
             f"| {_share(r, 'source')} | {r['target_moving_ms']:.1f} ms "
-            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} "
-            f"| {_share(r, 'source_engine')} | {_share(r, 'target_engine')} |"
+            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} |"
             for r in slow
         ]
         lines.append("")
@@ -845,10 +783,7 @@ def section(
 
 
 def _share(row: dict[str, Any], side: str) -> str:
-    """A slowdown cell: ``+1.2 % [-0.8, +3.1]`` (rows of runs before the interval: no brackets;
-    before the engine's clock: n/a)."""
-    if f"{side}_slowdown" not in row:
-        return "n/a"
+    """A slowdown cell: ``+1.2 % [-0.8, +3.1]`` (rows of runs before the interval: no brackets)."""
     text = f"{100 * row[f'{side}_slowdown']:+.1f} %"
     if f"{side}_low" in row:
         text += f" [{100 * row[f'{side}_low']:+.1f}, {100 * row[f'{side}_high']:+.1f}]"
