@@ -190,6 +190,9 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         return f"error: {error['message']}", token_ids
 
     busy_at_kill: dict[str, int] = {}
+    # Only this test's streams count: a request the router still listed from before would make
+    # its tokens look like theirs.
+    earlier = {r["id"] for r in in_flight(tiny_fleet)}
 
     def kill_a_busy_engine() -> str:
         # A thread, so that the kill does not wait for the busy event loop. The router sees the
@@ -198,7 +201,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         def four_have_tokens() -> bool:
             if every_stream_has_tokens.is_set():
                 return True
-            return sum(r["tokens"] >= 1 for r in in_flight(tiny_fleet)) >= 4
+            return sum(r["tokens"] >= 1 for r in in_flight(tiny_fleet) if r["id"] not in earlier) >= 4
 
         # The tiny model decodes a whole stream in a few seconds, faster than this process may
         # look on a loaded machine. The streams start with vLLM's processes under both engines
@@ -262,18 +265,26 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
 
     # The last engine dies under a running stream: nowhere to go, so an error event ends it.
     killed: list[float] = []
+    tries: list[str] = []  # what each try saw, for the failure message
 
-    def kill_the_last_engine() -> int:
+    def kill_the_last_engine(earlier: set[str]) -> int:
         """On a thread, as above: the engine's model, frozen by the caller, runs in slices until
         the stream has tokens; the engine is killed if the request is still there (else the
-        caller tries again with a new stream)."""
+        caller tries again with a new stream). Requests in ``earlier`` are not the stream."""
 
         def has_tokens() -> bool:
-            return some_stream_has_tokens.is_set() or any(r["tokens"] >= 1 for r in in_flight(tiny_fleet))
+            if some_stream_has_tokens.is_set():
+                return True
+            return any(r["tokens"] >= 1 for r in in_flight(tiny_fleet) if r["id"] not in earlier)
 
+        started = time.monotonic()
         run_models_until(tiny_fleet, [survivor], has_tokens, 180, "the last stream's tokens")
         health = httpx.get(records[survivor].http_address + "/health", timeout=STALL_S).json()
         busy = int(health["requests"])
+        tries.append(
+            f"tokens after {time.monotonic() - started:.2f} s, {busy} running on {survivor}, "
+            f"router lists {in_flight(tiny_fleet)}"
+        )
         if busy:
             _kill_engine(records[survivor].pid)
             killed.append(time.monotonic())
@@ -282,13 +293,15 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     for attempt in range(6):
         some_stream_has_tokens.clear()
         async with httpx.AsyncClient(timeout=120) as http:
+            earlier = {r["id"] for r in in_flight(tiny_fleet)}
             with model_frozen(tiny_fleet, survivor):
                 last_stream = asyncio.create_task(long_stream(http, 4 + attempt))
-                busy = await asyncio.to_thread(kill_the_last_engine)
-            ended, _ = await asyncio.wait_for(last_stream, timeout=120)
+                busy = await asyncio.to_thread(kill_the_last_engine, earlier)
+            ended, token_ids = await asyncio.wait_for(last_stream, timeout=120)
+        tries[-1] += f"; the stream ended {ended!r} after {len(token_ids)} tokens"
         if busy:
             break
-    assert killed, "six streams in a row finished before the kill"
+    assert killed, "six streams in a row finished before the kill:\n" + "\n".join(tries)
     killed_at = killed[0]
     assert ended.startswith("error") and survivor in ended and "no other engine" in ended, ended
 
