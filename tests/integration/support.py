@@ -308,26 +308,31 @@ def models_frozen(fleet: RunningFleet, engine_ids: Iterable[str]) -> Iterator[di
 
 def run_models_until(
     fleet: RunningFleet, engine_ids: Iterable[str], condition: Callable[[], bool], timeout_s: float, what: str
-) -> None:
+) -> float:
     """Inside ``models_frozen``: let the engines' models run ``MODEL_SLICE_S`` at a time until
     ``condition`` holds, checked while they are stopped. A test that must act on requests half
     done (kill their engine, drain it) starts them frozen and runs them this way, so a model that
     decodes a whole request in seconds cannot finish them while a loaded machine keeps the test
-    from looking; the block goes on with the models stopped."""
+    from looking; the block goes on with the models stopped. Returns the longest slice the models
+    ran (seconds): far over ``MODEL_SLICE_S`` when the machine left this thread unscheduled."""
     cores = []
     for engine_id in engine_ids:
         record = fleet.engine_record(engine_id)
         assert record is not None, f"{engine_id} is not registered"
         cores.extend(psutil.Process(record.pid).children(recursive=True))
     deadline = time.monotonic() + timeout_s
+    longest = 0.0
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        resumed = time.monotonic()
         for process in cores:
             process.resume()
         time.sleep(MODEL_SLICE_S)
         for process in cores:
             process.suspend()
+        longest = max(longest, time.monotonic() - resumed)
+    return longest
 
 
 def fleet_state(router_url: str) -> dict[str, Any]:
