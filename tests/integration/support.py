@@ -315,24 +315,36 @@ def run_models_until(
     decodes a whole request in seconds cannot finish them while a loaded machine keeps the test
     from looking; the block goes on with the models stopped. Returns the longest slice the models
     ran (seconds): far over ``MODEL_SLICE_S`` when the machine left this thread unscheduled."""
-    cores = []
-    for engine_id in engine_ids:
-        record = fleet.engine_record(engine_id)
-        assert record is not None, f"{engine_id} is not registered"
-        cores.extend(psutil.Process(record.pid).children(recursive=True))
+    cores = model_processes(fleet, engine_ids)
     deadline = time.monotonic() + timeout_s
     longest = 0.0
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        resumed = time.monotonic()
-        for process in cores:
-            process.resume()
-        time.sleep(MODEL_SLICE_S)
-        for process in cores:
-            process.suspend()
-        longest = max(longest, time.monotonic() - resumed)
+        longest = max(longest, run_slice(cores))
     return longest
+
+
+def model_processes(fleet: RunningFleet, engine_ids: Iterable[str]) -> list[psutil.Process]:
+    """The model processes (vLLM's, under each engine's front end) that ``model_frozen`` stops."""
+    cores = []
+    for engine_id in engine_ids:
+        record = fleet.engine_record(engine_id)
+        assert record is not None, f"{engine_id} is not registered"
+        cores.extend(psutil.Process(record.pid).children(recursive=True))
+    return cores
+
+
+def run_slice(cores: list[psutil.Process]) -> float:
+    """Let frozen model processes run ``MODEL_SLICE_S`` and stop them again; returns how long
+    they ran (longer when the machine leaves this thread unscheduled)."""
+    resumed = time.monotonic()
+    for process in cores:
+        process.resume()
+    time.sleep(MODEL_SLICE_S)
+    for process in cores:
+        process.suspend()
+    return time.monotonic() - resumed
 
 
 def fleet_state(router_url: str) -> dict[str, Any]:

@@ -37,6 +37,8 @@ from tests.integration.support import (
     async_client,
     greedy_ids,
     model_frozen,
+    model_processes,
+    run_slice,
     until,
     wait_until,
 )
@@ -58,7 +60,10 @@ async def _reported_loads(
     fleet: RunningFleet, engines: list[str], streams: list[asyncio.Task[list[int]]], timeout_s: float
 ) -> dict[str, EngineLoad] | None:
     """The engines' loads as the operator reads them, once every engine reports running requests;
-    None if ``streams`` all ended first."""
+    None if ``streams`` all ended first. The engines' models are frozen (``model_frozen``): between
+    two reads they run one short slice, since an engine's count of running requests is vLLM's as
+    of its last step, which can be older than the streams' first tokens."""
+    cores = model_processes(fleet, engines)
     client = aioredis.Redis.from_url(fleet.cfg.redis_url)
     deadline = time.monotonic() + timeout_s
     try:
@@ -73,6 +78,7 @@ async def _reported_loads(
             if all(stream.done() for stream in streams):
                 return None
             assert time.monotonic() < deadline, f"no report of running requests from every engine: {loads}"
+            run_slice(cores)
             await asyncio.sleep(0.1)
     finally:
         await client.aclose()
@@ -207,11 +213,11 @@ async def _drain_while_streaming(
     await asyncio.wait_for(started.wait(), 120)
     assert set(on.values()) == set(engines), on  # the router spreads six streams over both engines
 
-    # Both models are held still from here (every stream has had its first token, so each engine
-    # has run a step with its streams and reports them) until the drain has taken the leaving
-    # engine out of the rotation, which it does before it lists the requests to move: on a
-    # loaded machine the streams could otherwise end while the drain is on its way. The other
-    # engine runs again once the victim is chosen, to take the moves.
+    # Both models are held still from here (every stream has had its first token; the models run
+    # in short slices only until both engines report their streams) until the drain has taken
+    # the leaving engine out of the rotation, which it does before it lists the requests to
+    # move: on a loaded machine the streams could otherwise end while the drain is on its way.
+    # The other engine runs again once the victim is chosen, to take the moves.
     frozen = {e: contextlib.ExitStack() for e in engines}
     drained: Drained | None = None
     try:
