@@ -175,10 +175,11 @@ async def _move(
             assert time.monotonic() < deadline, "no migration record"
             await asyncio.sleep(0.01)
         record = migration_record_decoder.decode(raw)
-        assert (record.outcome, record.stages, record.kv_tokens) == (
+        assert (record.outcome, record.stages, record.kv_tokens, record.phase_ms) == (
             pb.Outcome.Name(result.outcome),
             result.stages,
             result.kv_tokens,
+            dict(result.phase_ms),
         )
         return result
     finally:
@@ -207,6 +208,17 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
     assert (result.stages, result.blocks, result.kv_tokens) == (4, 11, written)
     labels = {"engine": "source", "model": "m"}
     assert metrics.registry.get_sample_value("shoal_engine_migration_stages_lost_total", labels) == 1
+    # Each part of the move timed once, within the move's whole time (no warm-up: the
+    # simulated backend has no prefix cache to warm).
+    phases = ["prepare", "precopy", "stop", "last_stage", "commit", "handover"]
+    assert set(result.phase_ms) == set(phases)
+    assert all(ms >= 0 for ms in result.phase_ms.values())
+    assert sum(result.phase_ms.values()) <= result.duration_ms
+    for phase in phases:
+        count = metrics.registry.get_sample_value(
+            "shoal_engine_migration_phase_seconds_count", {**labels, "phase": phase}
+        )
+        assert count == 1, phase
     assert service.handed_over == [("target", 1)] and not service.resumed and not target.cancels
     assert len(target.commits) == 1 and target.commits[0].kv_tokens == written
     owner = owner_record_decoder.decode(await redis_client.get(Keys("stages").owner("r1")))

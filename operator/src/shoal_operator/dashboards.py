@@ -265,6 +265,13 @@ MIGRATIONS = Dashboard(
             "s",
         ),
         Panel(
+            "Time per part of a move",
+            "Wall time of each part of a move on its source (prepare, precopy, warm, stop, "
+            "last_stage, commit, handover), p50 and p99: where a slow move spends it.",
+            _quantiles("shoal_engine_migration_phase_seconds", selector="", by="phase"),
+            "s",
+        ),
+        Panel(
             "Pre-copy stages sent again",
             "Pre-copy stages during which the source's vLLM preempted the request (KV full): "
             "their blocks went again once it had recomputed them.",

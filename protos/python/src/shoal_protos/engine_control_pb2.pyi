@@ -44,7 +44,14 @@ class MigrateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens")
+    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens", "phase_ms")
+    class PhaseMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +67,7 @@ class MigrationResult(_message.Message):
     DOWNTIME_MS_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     WARM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_MS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     source_engine_id: str
@@ -75,7 +83,8 @@ class MigrationResult(_message.Message):
     downtime_ms: float
     duration_ms: float
     warm_tokens: int
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ...) -> None: ...
+    phase_ms: _containers.ScalarMap[str, float]
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ..., phase_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_s", "leave_rotation", "rejoin_after_s")

@@ -87,6 +87,18 @@ class EngineMetrics:
             registry=registry,
         ).labels(**self._labels)
 
+        self._migration_phase = Histogram(
+            "shoal_engine_migration_phase_seconds",
+            "Wall time of each part of a move on its source: prepare, precopy, warm, stop, "
+            "last_stage, commit, handover (source side).",
+            [*_LABELS, "phase"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
+            registry=registry,
+        )
+
+    def migration_phase(self, phase: str, seconds: float) -> None:
+        self._migration_phase.labels(**self._labels, phase=phase).observe(seconds)
+
     def migrated(self, role: str, reason: str, outcome: str) -> None:
         self.migrations.labels(**self._labels, role=role, reason=reason, outcome=outcome).inc()
 

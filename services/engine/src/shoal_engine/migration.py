@@ -236,6 +236,7 @@ class MigrationManager:
         await self._service.wait_output_here(request_id, timeout / 2)
         tokens = self._service.tokens_of(request_id) or 0
         max_tokens = self._service.max_tokens_of(request_id) or tokens
+        clock = _PhaseClock(result, started)
         prepared = await stub.PrepareMigration(
             pb.PrepareRequest(
                 migration_id=result.migration_id,
@@ -247,6 +248,7 @@ class MigrationManager:
             ),
             timeout=timeout,
         )
+        clock.mark("prepare")
         if not prepared.accepted:
             self._finish(result, pb.REFUSED, prepared.detail, started)
             return
@@ -294,10 +296,13 @@ class MigrationManager:
                     or result.stages >= config.migration_max_stages
                 ):
                     break
+            if mode in (pb.PRECOPY, pb.PRECOPY_UNWARMED):
+                clock.mark("precopy")
             if mode == pb.PRECOPY and next_block and config.migration_warm and config.backend == "vllm":
                 result.warm_tokens = await self._warm(
                     stub, result.migration_id, request_id, next_block, block
                 )
+                clock.mark("warm")
             # Stop right after an output with the blocks kept, send what is left (the last
             # block partly filled) at once, then let vLLM free them.
             await self._agent.call(kv.Hold(request_id=request_id, hold_s=timeout))
@@ -306,6 +311,7 @@ class MigrationManager:
                 stopped = await self._service.stop_for_migration(request_id, align_s=timeout / 2)
                 if stopped is None:
                     raise _GoneError
+                clock.mark("stop")
                 sent = kv.SentBlocks(next_block=0, blocks=0, bytes=0, seconds=0.0, tokens_written=0)
                 if mode != pb.RECOMPUTE:
                     sent = await self._agent.call(
@@ -319,6 +325,7 @@ class MigrationManager:
                     )
             finally:
                 await self._agent.call(kv.Release(request_id=request_id))
+            clock.mark("last_stage")
             _count_stage(result, sent)
             written = sent.tokens_written
             add = msgspec.structs.replace(
@@ -335,6 +342,7 @@ class MigrationManager:
                 ),
                 timeout=timeout,
             )
+            clock.mark("commit")
             if not committed.accepted:
                 raise MigrationError(f"target refused the commit: {committed.detail}")
             # From the source's last token (or the stop, if none came) to the target taking over.
@@ -342,6 +350,7 @@ class MigrationManager:
             self._service.hand_over(add, target.engine_id, add.generation)
             stopped = None
             await self._record_owner(add, target.engine_id)
+            clock.mark("handover")
             self._metrics.migration_bytes.observe(result.bytes)
             self._metrics.migration_stages.observe(result.stages)
             self._metrics.migration_downtime.observe(result.downtime_ms / 1000)
@@ -551,6 +560,8 @@ class MigrationManager:
         result.duration_ms = (time.perf_counter() - started) * 1000
         name = _OUTCOME_NAMES[outcome]
         self._metrics.migrated("source", result.reason, name)
+        for phase, ms in result.phase_ms.items():
+            self._metrics.migration_phase(phase, ms / 1000)
         self._history.appendleft(result)
         log = logger.info if outcome == pb.MIGRATED else logger.warning
         log(
@@ -587,6 +598,7 @@ class MigrationManager:
             total_tokens=result.total_tokens,
             downtime_ms=result.downtime_ms,
             duration_ms=result.duration_ms,
+            phase_ms=dict(result.phase_ms),
             finished_at=time.time(),
         )
         try:
@@ -756,6 +768,20 @@ class MigrationManager:
             sock.close(linger=0)
         self._agent.close()
         self._ctx.destroy(linger=0)
+
+
+class _PhaseClock:
+    """Times the parts of a move into ``result.phase_ms``: each ``mark`` ends the part it names,
+    which began where the previous part ended (the first, where the move began)."""
+
+    def __init__(self, result: pb.MigrationResult, started: float) -> None:
+        self._result = result
+        self._last = started
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._result.phase_ms[phase] = (now - self._last) * 1000
+        self._last = now
 
 
 def _count_stage(result: pb.MigrationResult, sent: kv.AgentReply) -> None:
