@@ -59,6 +59,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import socket
 import statistics
@@ -314,7 +315,12 @@ def stall_once(
         "bytes": result.bytes,
         "stages": result.stages,
         "warm_tokens": result.warm_tokens,
+        "phase_ms": dict(result.phase_ms),
     }
+
+
+PHASES = ("prepare", "precopy", "warm", "stop", "last_stage", "commit", "handover")
+"""The parts of a move its source times (``MigrationResult.phase_ms``), in their order."""
 
 
 def pace_of(text: str) -> tuple[int, float]:
@@ -529,6 +535,7 @@ async def slowdown_scene(
                         pair = _slowdown_pair(others, source, target, still_start, start, end)
                         pair["context"] = context
                         pair["client_held_ms"] = watch.held_ms(still_start, end + TARGET_TAIL_S)
+                        pair["phase_ms"] = dict(result.phase_ms)
                         pairs.append(pair)
                         held = pair["client_held_ms"]
                         say(
@@ -537,7 +544,9 @@ async def slowdown_scene(
                             f"{_mean(pair['source_still']):.1f} ms just before "
                             f"({pair['window_s'] * 1000:.0f} ms windows"
                             + (f"; client held up {held:.0f} ms, left out" if held > CLIENT_HOLD_MS else "")
-                            + ")"
+                            + "; "
+                            + ", ".join(f"{k} {v:.0f}" for k, v in pair["phase_ms"].items())
+                            + " ms)"
                         )
                     # The move's length on its source: a client held up during the call would
                     # otherwise make the next window as long as the hold-up.
@@ -593,6 +602,10 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         held = sum(p.get("client_held_ms", 0.0) > CLIENT_HOLD_MS for p in pairs)
         pairs = [p for p in pairs if p.get("client_held_ms", 0.0) <= CLIENT_HOLD_MS]
         row: dict[str, Any] = {"context": context, "trials": len(pairs), "held": held}
+        # The median time of each part of the moves on their source (rows of earlier runs have none).
+        for phase in PHASES:
+            times = [p["phase_ms"][phase] for p in pairs if phase in p.get("phase_ms", {})]
+            row[f"{phase}_ms"] = statistics.median(times) if times else float("nan")
         for side in ("source", "target"):
             kept = [p for p in pairs if p[f"{side}_moving"] and p[f"{side}_still"]]
             row[f"{side}_moving_ms"] = _mean([g for p in kept for g in p[f"{side}_moving"]])
@@ -779,6 +792,22 @@ def section(
             f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} |"
             for r in slow
         ]
+        timed = [r for r in slow if not math.isnan(r.get("precopy_ms", float("nan")))]
+        if timed:
+            lines += [
+                "",
+                "The same moves' parts on their source, median ms (`phase_ms` of each move: the "
+                "pre-copy is paced, the rest runs at full speed):",
+                "",
+                "| pre-copy pace | context | " + " | ".join(PHASES) + " |",
+                "|--:|--:|" + "--:|" * len(PHASES),
+            ]
+            lines += [
+                f"| {pace_label(r.get('pace', '0'))} | {r['context']} | "
+                + " | ".join(f"{r[f'{phase}_ms']:.1f}" for phase in PHASES)
+                + " |"
+                for r in timed
+            ]
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
