@@ -222,6 +222,7 @@ class MigrationManager:
     async def _migrate(self, result: pb.MigrationResult, started: float, mode: int) -> None:
         config = self._config
         request_id = result.request_id
+        clock = _PhaseClock(result, started)
         target = await self._pick_target(result.target_engine_id)
         if target is None:
             self._finish(result, pb.REFUSED, "no active engine to move to", started)
@@ -236,7 +237,6 @@ class MigrationManager:
         await self._service.wait_output_here(request_id, timeout / 2)
         tokens = self._service.tokens_of(request_id) or 0
         max_tokens = self._service.max_tokens_of(request_id) or tokens
-        clock = _PhaseClock(result, started)
         prepared = await stub.PrepareMigration(
             pb.PrepareRequest(
                 migration_id=result.migration_id,
