@@ -515,7 +515,8 @@ async def test_drain_moves_every_stream_off_the_engine(smol_fleet: RunningFleet)
         return ids
 
     # A machine that leaves the engine unscheduled for longer than its streams last (seen: 20 s)
-    # lets the drain arrive after they ended, with nothing to move: the scene runs again then.
+    # lets the drain arrive after most of them ended (seen: 2 of 9 left), with little to move:
+    # the scene runs again then.
     for _attempt in range(3):
         engines.clear()
         finished_at.clear()
@@ -529,14 +530,14 @@ async def test_drain_moves_every_stream_off_the_engine(smol_fleet: RunningFleet)
             smol_fleet.control(drained).Drain, pb.DrainRequest(deadline_s=120), timeout=180
         )
         got = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-        if result.migrations:
+        still_running = sum(1 for i, e in engines.items() if e == drained and finished_at[i] > drain_started)
+        if result.migrations and still_running >= 4:
             break
 
     # Every request the engine ran left it; none failed; the streams went on elsewhere.
     assert result.remaining == 0 and result.failed == 0, result
     moved = {m.request_id for m in result.migrations if m.outcome == pb.MIGRATED}
     assert all(m.outcome in (pb.MIGRATED, pb.GONE) for m in result.migrations), result
-    still_running = sum(1 for i, e in engines.items() if e == drained and finished_at[i] > drain_started)
     assert len(moved) >= still_running >= 4, (on_drained, still_running, result)
     assert all(m.target_engine_id == _other(drained) for m in result.migrations if m.outcome == pb.MIGRATED)
     # Greedy decoding in bf16 on CPU is not batch-invariant: a near-tie between two tokens can
