@@ -82,6 +82,7 @@ from shoal_engine.kv.agent import KvAgent, TableUpdate  # noqa: E402
 from shoal_fleet.launcher import Fleet, FleetConfig  # noqa: E402
 from shoal_protos import engine_control_pb2 as pb  # noqa: E402
 from shoal_protos import kv  # noqa: E402
+from shoal_protos.records import MIGRATION_PHASES as PHASES  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results"  # git-ignored: every run's numbers
@@ -319,10 +320,6 @@ def stall_once(
     }
 
 
-PHASES = ("prepare", "precopy", "warm", "stop", "last_stage", "commit", "handover")
-"""The parts of a move its source times (``MigrationResult.phase_ms``), in their order."""
-
-
 def pace_of(text: str) -> tuple[int, float]:
     """A ``--slowdown-paces`` item as (MiB/s, share of the time): ``64`` or ``5%``; ``0``: unpaced."""
     if text.endswith("%"):
@@ -537,7 +534,7 @@ async def slowdown_scene(
                         pair["client_held_ms"] = watch.held_ms(still_start, end + TARGET_TAIL_S)
                         pair["phase_ms"] = dict(result.phase_ms)
                         pairs.append(pair)
-                        held = pair["client_held_ms"]
+                        held, timed = pair["client_held_ms"], pair["phase_ms"]
                         say(
                             f"slowdown: context {context} #{i}: source gaps "
                             f"{_mean(pair['source_moving']):.1f} ms moving vs "
@@ -545,7 +542,7 @@ async def slowdown_scene(
                             f"({pair['window_s'] * 1000:.0f} ms windows"
                             + (f"; client held up {held:.0f} ms, left out" if held > CLIENT_HOLD_MS else "")
                             + "; "
-                            + ", ".join(f"{k} {v:.0f}" for k, v in pair["phase_ms"].items())
+                            + ", ".join(f"{k} {timed[k]:.0f}" for k in PHASES if k in timed)
                             + " ms)"
                         )
                     # The move's length on its source: a client held up during the call would

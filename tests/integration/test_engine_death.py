@@ -277,15 +277,15 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     killed: list[float] = []
     tries: list[str] = []  # what each try saw, for the failure message
 
-    def kill_the_last_engine(earlier: set[str]) -> int:
+    def kill_the_last_engine(listed_before: set[str]) -> int:
         """On a thread, as above: the engine's model, frozen by the caller, runs in slices until
         the stream has tokens; the engine is killed if the request is still there (else the
-        caller tries again with a new stream). Requests in ``earlier`` are not the stream."""
+        caller tries again with a new stream). Requests in ``listed_before`` are not the stream."""
 
         def has_tokens() -> bool:
             if some_stream_has_tokens.is_set():
                 return True
-            return any(r["tokens"] >= 1 for r in in_flight(tiny_fleet) if r["id"] not in earlier)
+            return any(r["tokens"] >= 1 for r in in_flight(tiny_fleet) if r["id"] not in listed_before)
 
         started = time.monotonic()
         longest = run_models_until(tiny_fleet, [survivor], has_tokens, 180, "the last stream's tokens")
@@ -305,10 +305,10 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         attempt = len(tries)
         some_stream_has_tokens.clear()
         async with httpx.AsyncClient(timeout=120) as http:
-            earlier = {r["id"] for r in in_flight(tiny_fleet)}
+            listed_before = {r["id"] for r in in_flight(tiny_fleet)}
             with model_frozen(tiny_fleet, survivor):
                 last_stream = asyncio.create_task(long_stream(http, 4 + attempt))
-                busy = await asyncio.to_thread(kill_the_last_engine, earlier)
+                busy = await asyncio.to_thread(kill_the_last_engine, listed_before)
             ended, token_ids = await asyncio.wait_for(last_stream, timeout=120)
         tries[-1] += f"; the stream ended {ended!r} after {len(token_ids)} tokens"
         if busy:

@@ -87,6 +87,10 @@ class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     router: str = ""
 
 
+MIGRATION_PHASES = ("prepare", "precopy", "warm", "stop", "last_stage", "commit", "handover")
+"""The parts of a move its source times (``MigrationRecord.phase_ms``), in the order they run."""
+
+
 class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     migration_id: str
     request_id: str
@@ -105,8 +109,7 @@ class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     total_tokens: int = 0
     downtime_ms: float = 0.0
     duration_ms: float = 0.0
-    # Milliseconds of each part of the move on the source (prepare, precopy, warm, stop,
-    # last_stage, commit, handover): the parts it went through.
+    # Milliseconds of each part of the move on the source (``MIGRATION_PHASES``) it went through.
     phase_ms: dict[str, float] = {}
     # Wall clock when the source stopped the request; the target adds the gap its client saw
     # (its first token there minus the last one here) as ``stall_ms`` when it has one.
