@@ -43,9 +43,12 @@ drift stays out of the pair. Slowdown = the mean over the pairs of (the bystande
 inter-token gap on the source while moving / just before - 1), with a 95 % bootstrap interval;
 the same on the target, whose moving window runs 250 ms past the move (it injects and admits at
 the end, and takes the request on). A pair whose client was held up over ``CLIENT_HOLD_MS`` (its
-own event loop, watched on a 20 ms tick) is left out. Each of ``--slowdown-paces`` (pre-copy
-MiB/s like ``64``, a share of the time like ``5%``, or ``0``: unpaced) gets a fleet of its own;
-the stall runs on the first.
+own event loop, watched on a 20 ms tick) is left out. The same slowdown on the source's own
+clock comes with each move (``source_step_ms`` over ``source_step_ms_before``: the mean time
+between its forward passes during the move and in as long a window just before it, as its KV
+agent saw them end); no router or client is in it, so no pair is left out. Each of
+``--slowdown-paces`` (pre-copy MiB/s like ``64``, a share of the time like ``5%``, or ``0``:
+unpaced) gets a fleet of its own; the stall runs on the first.
 
 Every run's numbers go to ``bench/results/migration-<time>.json``; a part skipped with
 ``--skip-*`` is reported from the last run that measured it. Results go between
@@ -533,12 +536,16 @@ async def slowdown_scene(
                         pair["context"] = context
                         pair["client_held_ms"] = watch.held_ms(still_start, end + TARGET_TAIL_S)
                         pair["phase_ms"] = dict(result.phase_ms)
+                        # The source's own clock: its forward passes, as its KV agent saw them end.
+                        pair["engine_moving_ms"] = result.source_step_ms
+                        pair["engine_still_ms"] = result.source_step_ms_before
                         pairs.append(pair)
                         held, timed = pair["client_held_ms"], pair["phase_ms"]
                         say(
                             f"slowdown: context {context} #{i}: source gaps "
                             f"{_mean(pair['source_moving']):.1f} ms moving vs "
-                            f"{_mean(pair['source_still']):.1f} ms just before "
+                            f"{_mean(pair['source_still']):.1f} ms just before, its steps "
+                            f"{result.source_step_ms:.1f} vs {result.source_step_ms_before:.1f} ms "
                             f"({pair['window_s'] * 1000:.0f} ms windows"
                             + (f"; client held up {held:.0f} ms, left out" if held > CLIENT_HOLD_MS else "")
                             + "; "
@@ -603,6 +610,20 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for phase in PHASES:
             times = [p["phase_ms"][phase] for p in pairs if phase in p.get("phase_ms", {})]
             row[f"{phase}_ms"] = statistics.median(times) if times else float("nan")
+        # On the source's own clock every pair counts: a client held up does not move the
+        # engine's stamps.
+        timed_pairs = [
+            r
+            for r in rows
+            if r["context"] == context and r.get("engine_moving_ms") and r.get("engine_still_ms")
+        ]
+        row["engine_trials"] = len(timed_pairs)
+        row["engine_moving_ms"] = _mean([p["engine_moving_ms"] for p in timed_pairs])
+        row["engine_still_ms"] = _mean([p["engine_still_ms"] for p in timed_pairs])
+        ratios = [p["engine_moving_ms"] / p["engine_still_ms"] - 1 for p in timed_pairs]
+        row["engine_slowdown"], row["engine_low"], row["engine_high"] = (
+            bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
+        )
         for side in ("source", "target"):
             kept = [p for p in pairs if p[f"{side}_moving"] and p[f"{side}_still"]]
             row[f"{side}_moving_ms"] = _mean([g for p in kept for g in p[f"{side}_moving"]])
@@ -776,17 +797,27 @@ def section(
             f"loop was held up over {CLIENT_HOLD_MS:.0f} ms are left out (its stamps bunch the tokens "
             f"then); {sum(r.get('held', 0) for r in slow)} in this run. "
             "Each pre-copy pace runs on a fleet of its own "
-            "(`--migration-precopy-mib-per-s`, or `--migration-precopy-share` for a share of the time).",
+            "(`--migration-precopy-mib-per-s`, or `--migration-precopy-share` for a share of the time). "
+            "The source's own clock: the mean time between its forward passes during each move and "
+            "in as long a window just before it, as its KV agent saw them end (`source_step_ms`, "
+            "`source_step_ms_before` of each move; no router or client in it, so every pair counts).",
             "",
             "| pre-copy pace | context | pairs | source, moving | source, before | source slowdown "
-            "| target, moving | target, before | target slowdown |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+            "| target, moving | target, before | target slowdown "
+            "| pairs, source's clock | source's steps, moving | before | source slowdown, its clock |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
             f"| {pace_label(r.get('pace', '0'))} | {r['context']} | {r['trials']} "
             f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
             f"| {_share(r, 'source')} | {r['target_moving_ms']:.1f} ms "
-            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} |"
+            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} "
+            + (
+                f"| {r['engine_trials']} | {r['engine_moving_ms']:.1f} ms | {r['engine_still_ms']:.1f} ms "
+                f"| {_share(r, 'engine')} |"
+                if r.get("engine_trials")
+                else "| 0 | n/a | n/a | n/a |"
+            )
             for r in slow
         ]
         timed = [r for r in slow if not math.isnan(r.get("precopy_ms", float("nan")))]

@@ -145,6 +145,9 @@ class Mover:
 
     def join(self) -> list[pb.MigrationResult]:
         assert len(self.results) == self.times, self.results
+        # The source's KV agent saw its forward passes end while it moved the request (the
+        # request decoded there until the stop): the move read the source's pace.
+        assert any(r.source_step_ms > 0 for r in self.results), self.results
         return self.results
 
 

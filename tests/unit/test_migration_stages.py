@@ -19,7 +19,7 @@ import zmq
 from shoal_engine.config import EngineConfig
 from shoal_engine.kv.sim_agent import SimKvAgent, SimStaging
 from shoal_engine.metrics import EngineMetrics
-from shoal_engine.migration import MigrationError, MigrationManager
+from shoal_engine.migration import MigrationError, MigrationManager, mean_step_ms
 from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
@@ -35,6 +35,7 @@ from tests.integration.support import free_port, redis_server
 
 BLOCK, BYTES_PER_BLOCK = 16, 4096
 PROMPT = list(range(100, 100 + 10 * BLOCK))  # ten full blocks
+STEP_S = 0.0001  # the played source's forward passes end this often
 
 
 @dataclass
@@ -50,6 +51,10 @@ class PlayedAgent:
         self.commands.append(command)
         if isinstance(command, kv.AgentStatus):
             return kv.Status(BLOCK, 2, BYTES_PER_BLOCK, {}, 0, 1)
+        if isinstance(command, kv.ReadSteps):
+            # A steady pace: a forward pass ended every STEP_S since then, up to now.
+            count = int((time.monotonic() - command.since) / STEP_S)
+            return kv.steps_since([command.since + i * STEP_S for i in range(count + 1)], command.since)
         if isinstance(command, kv.SendBlocks):
             return self.final if command.partial else self.stages.pop(0)
         return None
@@ -175,11 +180,20 @@ async def _move(
             assert time.monotonic() < deadline, "no migration record"
             await asyncio.sleep(0.01)
         record = migration_record_decoder.decode(raw)
-        assert (record.outcome, record.stages, record.kv_tokens, record.phase_ms) == (
+        assert (
+            record.outcome,
+            record.stages,
+            record.kv_tokens,
+            record.phase_ms,
+            record.source_step_ms,
+            record.source_step_ms_before,
+        ) == (
             pb.Outcome.Name(result.outcome),
             result.stages,
             result.kv_tokens,
             dict(result.phase_ms),
+            result.source_step_ms,
+            result.source_step_ms_before,
         )
         return result
     finally:
@@ -219,6 +233,11 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
             "shoal_engine_migration_phase_seconds_count", {**labels, "phase": phase}
         )
         assert count == 1, phase
+    # The source's pace during the move and just before it, from the agent's step ends: steady.
+    assert result.source_step_ms == pytest.approx(STEP_S * 1000)
+    assert result.source_step_ms_before == pytest.approx(STEP_S * 1000)
+    ratio = ("shoal_engine_migration_source_step_ratio_count", "shoal_engine_migration_source_step_ratio_sum")
+    assert [metrics.registry.get_sample_value(name, labels) for name in ratio] == [1, pytest.approx(1.0)]
     assert service.handed_over == [("target", 1)] and not service.resumed and not target.cancels
     assert len(target.commits) == 1 and target.commits[0].kv_tokens == written
     owner = owner_record_decoder.decode(await redis_client.get(Keys("stages").owner("r1")))
@@ -314,3 +333,14 @@ def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_
         sock.close(linger=0)
         ctx.term()
         agent.close()
+
+
+def test_the_source_pace_is_the_mean_time_between_the_steps_that_ended_in_a_window() -> None:
+    # Steps every 10 ms up to t = 1.0 s, then every 12 ms (a move slowed them by a fifth).
+    ends = [i * 0.010 for i in range(101)] + [1.0 + i * 0.012 for i in range(1, 51)]
+    assert mean_step_ms(ends, 0.5, 1.0) == pytest.approx(10.0)
+    assert mean_step_ms(ends, 1.0, 1.6) == pytest.approx(12.0)
+    # A window holding one step end (or none) says nothing about the pace.
+    assert mean_step_ms(ends, 0.501, 0.509) == 0.0
+    assert mean_step_ms(ends, 0.5, 0.505) == 0.0
+    assert mean_step_ms([], 0.0, 1.0) == 0.0

@@ -16,6 +16,8 @@ msgspec only, never pickle. Every message is a tagged struct, so one decoder rea
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 
@@ -87,7 +89,15 @@ class AgentStatus(_Tagged):
     pass
 
 
-AgentCommand = SendBlocks | Connect | Hold | Release | FreeStaging | ReadBlocks | ReadStaged | AgentStatus
+class ReadSteps(_Tagged):
+    """When the forward passes since ``since`` ended (``time.monotonic``, the machine's clock)."""
+
+    since: float
+
+
+AgentCommand = (
+    SendBlocks | Connect | Hold | Release | FreeStaging | ReadBlocks | ReadStaged | AgentStatus | ReadSteps
+)
 
 
 class SentBlocks(_Tagged):
@@ -139,11 +149,26 @@ class Status(_Tagged):
     tracked_requests: int
 
 
+class Steps(_Tagged):
+    """Reply to ``ReadSteps``: the ends of the forward passes, oldest first."""
+
+    ended: list[float]
+
+
+# An agent keeps the ends of this many forward passes: minutes of steps.
+STEPS_KEPT = 4096
+
+
+def steps_since(ends: Iterable[float], since: float) -> Steps:
+    """The reply to ``ReadSteps(since)`` from an agent's kept step ends (oldest first)."""
+    return Steps(ended=[t for t in ends if t >= since])
+
+
 class AgentError(_Tagged):
     message: str
 
 
-AgentReply = SentBlocks | BlockBytes | Status | AgentError | None
+AgentReply = SentBlocks | BlockBytes | Status | Steps | AgentError | None
 
 
 # ---- agent -> agent (data socket) --------------------------------------------------------

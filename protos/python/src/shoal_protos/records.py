@@ -111,6 +111,10 @@ class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     duration_ms: float = 0.0
     # Milliseconds of each part of the move on the source (``MIGRATION_PHASES``) it went through.
     phase_ms: dict[str, float] = {}
+    # The mean time between the source's forward passes during the move and in as long a window
+    # just before it (``MigrationResult.source_step_ms``; 0: not measured).
+    source_step_ms: float = 0.0
+    source_step_ms_before: float = 0.0
     # Wall clock when the source stopped the request; the target adds the gap its client saw
     # (its first token there minus the last one here) as ``stall_ms`` when it has one.
     stopped_at: float = 0.0

@@ -86,6 +86,15 @@ class EngineMetrics:
             buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0),
             registry=registry,
         ).labels(**self._labels)
+        self.migration_source_pace = Histogram(
+            "shoal_engine_migration_source_step_ratio",
+            "The source's mean time between forward passes while a move ran, over the same in as "
+            "long a window just before it: what the move cost the source's other requests "
+            "(source side, moves that ended migrated).",
+            _LABELS,
+            buckets=(0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 3.0),
+            registry=registry,
+        ).labels(**self._labels)
 
         self._migration_phase = Histogram(
             "shoal_engine_migration_phase_seconds",

@@ -223,6 +223,7 @@ class MigrationManager:
         config = self._config
         request_id = result.request_id
         clock = _PhaseClock(result, started)
+        began = time.monotonic()  # the clock the KV agent stamps the forward passes on
         target = await self._pick_target(result.target_engine_id)
         if target is None:
             self._finish(result, pb.REFUSED, "no active engine to move to", started)
@@ -351,6 +352,7 @@ class MigrationManager:
             stopped = None
             await self._record_owner(add, target.engine_id)
             clock.mark("handover")
+            await self._read_source_pace(result, began)
             self._metrics.migration_bytes.observe(result.bytes)
             self._metrics.migration_stages.observe(result.stages)
             self._metrics.migration_downtime.observe(result.downtime_ms / 1000)
@@ -363,6 +365,28 @@ class MigrationManager:
             if stopped is not None:
                 self._resume_here(stopped)
             raise
+
+    async def _read_source_pace(self, result: pb.MigrationResult, began: float) -> None:
+        """The source's pace while the move ran and in as long a window just before it
+        (``source_step_ms``, ``source_step_ms_before``), from when the KV agent saw its forward
+        passes end; left 0 when the agent cannot say. Not read while other moves leave this
+        engine: the agent answers one call at a time, a paced stage of theirs would hold this
+        move's answer up, and their copies would be in its windows anyway."""
+        if len(self._moving) > 1:
+            return
+        ended = time.monotonic()
+        span = ended - began
+        try:
+            steps = await self._agent.call(kv.ReadSteps(since=began - span))
+        except (MigrationError, zmq.ZMQError) as exc:
+            logger.info("migration %s: no step times from the KV agent: %s", result.migration_id, exc)
+            return
+        if not isinstance(steps, kv.Steps):
+            return
+        result.source_step_ms_before = mean_step_ms(steps.ended, began - span, began)
+        result.source_step_ms = mean_step_ms(steps.ended, began, ended)
+        if result.source_step_ms and result.source_step_ms_before:
+            self._metrics.migration_source_pace.observe(result.source_step_ms / result.source_step_ms_before)
 
     async def _warm(
         self,
@@ -599,6 +623,8 @@ class MigrationManager:
             downtime_ms=result.downtime_ms,
             duration_ms=result.duration_ms,
             phase_ms=dict(result.phase_ms),
+            source_step_ms=result.source_step_ms,
+            source_step_ms_before=result.source_step_ms_before,
             finished_at=time.time(),
         )
         try:
@@ -768,6 +794,15 @@ class MigrationManager:
             sock.close(linger=0)
         self._agent.close()
         self._ctx.destroy(linger=0)
+
+
+def mean_step_ms(ends: list[float], start: float, end: float) -> float:
+    """The mean time between the steps that ended from ``start`` to ``end`` (seconds, oldest
+    first), in ms; 0 when fewer than two did."""
+    inside = [t for t in ends if start <= t <= end]
+    if len(inside) < 2:
+        return 0.0
+    return (inside[-1] - inside[0]) / (len(inside) - 1) * 1000
 
 
 class _PhaseClock:

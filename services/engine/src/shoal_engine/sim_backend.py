@@ -37,6 +37,7 @@ import asyncio
 import hashlib
 import logging
 import random
+import time
 from array import array
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -52,6 +53,7 @@ from shoal_engine.backend import (
     BackendRequestError,
 )
 from shoal_engine.kv.sim_agent import SimStaging
+from shoal_protos import kv
 from shoal_protos.messages import FinishReason, SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -372,6 +374,9 @@ class SimulatedBackend:
         # Requests a migration holds (the agent's Hold): the KV tokens they had when they left
         # the batch (None while they still run), until the agent releases them.
         self._holds: dict[str, int | None] = {}
+        # When each of the last steps ended (``time.monotonic``), for the simulated KV agent's
+        # ``ReadSteps``.
+        self.step_ends: deque[float] = deque(maxlen=kv.STEPS_KEPT)
 
     def tokens_written(self, request_id: str) -> int | None:
         """Tokens whose KV the batch computed for a request: its context but the last sampled
@@ -516,7 +521,9 @@ class SimulatedBackend:
                 continue
             started = loop.time()
             await asyncio.sleep(max(0.0, started + step.ms / 1000.0 / self.config.speed - loop.time()))
-            for request, token in self.batch.finish(step):
+            finished = self.batch.finish(step)
+            self.step_ends.append(time.monotonic())
+            for request, token in finished:
                 stream = self._streams.get(request.request_id)
                 if stream is not None:
                     stream.pending.append(token)

@@ -148,6 +148,9 @@ class KvAgent:
         self._released: set[str] = set()
         # Staging areas freed on purpose: chunks still in flight for them are dropped.
         self._freed: dict[str, None] = {}
+        # When each of the last forward passes ended (``time.monotonic``): a move reads the
+        # source's pace from them, before it and while it ran.
+        self._step_ends: deque[float] = deque(maxlen=kv.STEPS_KEPT)
         self._host = host_of(data_address)
         self._timeout_s = timeout_s
         self._transport: KvTransport = Transport(
@@ -223,6 +226,7 @@ class KvAgent:
 
     def step_done(self, updates: list[TableUpdate]) -> None:
         """The forward pass wrote the KV of the tokens each update scheduled."""
+        self._step_ends.append(time.monotonic())
         with self._lock:
             for update in updates:
                 table = self._tables.get(update.request_id)
@@ -356,6 +360,8 @@ class KvAgent:
         if isinstance(command, kv.FreeStaging):
             self.free_staging(command.migration_id)
             return None
+        if isinstance(command, kv.ReadSteps):
+            return kv.steps_since(list(self._step_ends), command.since)
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
                 table = self._tables.get(command.request_id)

@@ -136,6 +136,8 @@ class SimKvAgent:
         if isinstance(command, kv.FreeStaging):
             self._staging.take(command.migration_id)
             return None
+        if isinstance(command, kv.ReadSteps):
+            return kv.steps_since(list(self._backend.step_ends), command.since)
         if isinstance(command, kv.AgentStatus):
             staged = self._staging.snapshot()
             return kv.Status(
