@@ -612,15 +612,15 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{phase}_ms"] = statistics.median(times) if times else float("nan")
         # On the source's own clock every pair counts: a client held up does not move the
         # engine's stamps.
-        timed_pairs = [
+        clocked = [
             r
             for r in rows
             if r["context"] == context and r.get("engine_moving_ms") and r.get("engine_still_ms")
         ]
-        row["engine_trials"] = len(timed_pairs)
-        row["engine_moving_ms"] = _mean([p["engine_moving_ms"] for p in timed_pairs])
-        row["engine_still_ms"] = _mean([p["engine_still_ms"] for p in timed_pairs])
-        ratios = [p["engine_moving_ms"] / p["engine_still_ms"] - 1 for p in timed_pairs]
+        row["engine_trials"] = len(clocked)
+        row["engine_moving_ms"] = _mean([p["engine_moving_ms"] for p in clocked])
+        row["engine_still_ms"] = _mean([p["engine_still_ms"] for p in clocked])
+        ratios = [p["engine_moving_ms"] / p["engine_still_ms"] - 1 for p in clocked]
         row["engine_slowdown"], row["engine_low"], row["engine_high"] = (
             bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
         )
