@@ -17,11 +17,11 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 MODEL_STAMPS := $(MODELS_DIR)/SmolLM2-135M-Instruct/.shoal-complete $(MODELS_DIR)/tiny-llama/.shoal-complete
 PYTEST_ARGS ?=
 export VLLM_TARGET_DEVICE := cpu
-# The tests' and the migration bench's clients run with their session's CPU weight raised ten
-# times (a Linux autogroup: each session shares the CPU as one; the fleets they start run in
-# sessions of their own). On two cores the engines' workers, pinned one to each, otherwise left
-# a client runnable for minutes with a few seconds of CPU (docs/benchmarks.md, 2026-12-06).
-# Needs root and autogroups; without them nothing changes.
+# The migration bench's client runs with its session's CPU weight raised ten times (a Linux
+# autogroup: each session shares the CPU as one; the fleet it starts runs in a session of its
+# own). On two cores the engines' workers, pinned one to each, otherwise left the client
+# runnable for minutes with a few seconds of CPU (docs/benchmarks.md, 2026-12-06). Needs root
+# and autogroups; without them nothing changes.
 CLIENT_FIRST := { echo -10 > /proc/self/autogroup; } 2>/dev/null || true;
 
 .PHONY: help
@@ -34,7 +34,7 @@ run: setup models ## Serve SmolLM2 at http://127.0.0.1:8000 with two engines (Ct
 
 .PHONY: test
 test: setup models ## Run every test tier that runs on this machine
-	$(CLIENT_FIRST) $(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: setup ## Unit tests only (seconds, no processes)
@@ -42,7 +42,7 @@ test-unit: setup ## Unit tests only (seconds, no processes)
 
 .PHONY: test-integration
 test-integration: setup models ## Integration tests: real Redis, ZeroMQ, tokenizer and vLLM engines
-	$(CLIENT_FIRST) $(PY) -m pytest tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
 .PHONY: setup
 setup: $(SETUP_STAMP) system-packages ## Create the virtualenv and install pinned packages (and Redis, Prometheus, Chromium, tcmalloc)
