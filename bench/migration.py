@@ -620,20 +620,22 @@ def slowdown_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["engine_trials"] = len(clocked)
         row["engine_moving_ms"] = _mean([p["engine_moving_ms"] for p in clocked])
         row["engine_still_ms"] = _mean([p["engine_still_ms"] for p in clocked])
-        ratios = [p["engine_moving_ms"] / p["engine_still_ms"] - 1 for p in clocked]
-        row["engine_slowdown"], row["engine_low"], row["engine_high"] = (
-            bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
-        )
+        _put_slowdown(row, "engine", [p["engine_moving_ms"] / p["engine_still_ms"] - 1 for p in clocked])
         for side in ("source", "target"):
             kept = [p for p in pairs if p[f"{side}_moving"] and p[f"{side}_still"]]
             row[f"{side}_moving_ms"] = _mean([g for p in kept for g in p[f"{side}_moving"]])
             row[f"{side}_still_ms"] = _mean([g for p in kept for g in p[f"{side}_still"]])
             ratios = [_mean(p[f"{side}_moving"]) / _mean(p[f"{side}_still"]) - 1 for p in kept]
-            row[f"{side}_slowdown"], row[f"{side}_low"], row[f"{side}_high"] = (
-                bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
-            )
+            _put_slowdown(row, side, ratios)
         out.append(row)
     return out
+
+
+def _put_slowdown(row: dict[str, Any], side: str, ratios: list[float]) -> None:
+    """``row``'s slowdown on ``side``: the mean of the pairs' ratios - 1, with its 95 % interval."""
+    row[f"{side}_slowdown"], row[f"{side}_low"], row[f"{side}_high"] = (
+        bootstrap_interval(ratios, statistics.fmean) if ratios else (float("nan"),) * 3
+    )
 
 
 # ---- report --------------------------------------------------------------------------------
