@@ -86,6 +86,7 @@ from shoal_fleet.launcher import Fleet, FleetConfig  # noqa: E402
 from shoal_protos import engine_control_pb2 as pb  # noqa: E402
 from shoal_protos import kv  # noqa: E402
 from shoal_protos.records import MIGRATION_PHASES as PHASES  # noqa: E402
+from shoal_protos.records import TARGET_PHASES  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results"  # git-ignored: every run's numbers
@@ -297,7 +298,8 @@ def stall_once(
     after = gaps[switch + 1 : switch + 9]
     local = statistics.median(after) if len(after) >= 3 else usual
     raw_record = client.get(Keys(fleet_cfg.cluster).migration(result.migration_id))
-    engine_stall = migration_record_decoder.decode(raw_record).stall_ms if raw_record else None
+    record = migration_record_decoder.decode(raw_record) if raw_record else None
+    engine_stall = record.stall_ms if record else None
     return {
         "context": context,
         "mode": mode,
@@ -320,6 +322,8 @@ def stall_once(
         "stages": result.stages,
         "warm_tokens": result.warm_tokens,
         "phase_ms": dict(result.phase_ms),
+        # The hand-over's parts on the target, from the commit to the first token there.
+        "target_phase_ms": dict(record.target_phase_ms) if record else {},
     }
 
 
@@ -784,6 +788,7 @@ def section(
             "there, so the client-clock columns ('stall', 'worst') leave them out; the target's "
             "clock, downtime and ITL columns take every request.",
         ]
+        lines += _target_phase_lines(stalls)
         lines += ["", "![stall](img/migration_stall.png)", ""]
     if slow:
         lines += [
@@ -841,6 +846,33 @@ def section(
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
+
+
+def _target_phase_lines(stalls: list[dict[str, Any]]) -> list[str]:
+    """A table of the pre-copy moves' hand-over on their target, median ms per context (rows of
+    runs before the target timed it: none)."""
+    timed = [r for r in stalls if r["mode"] == "precopy" and r.get("target_phase_ms")]
+    if not timed:
+        return []
+    contexts = sorted({r["context"] for r in timed})
+    lines = [
+        "",
+        "The pre-copy moves' hand-over on their target, median ms (`target_phase_ms` of each move, "
+        "from the commit reaching the target to the first token back in its engine service; "
+        "vLLM's own stamps split it), beside the target's usual gap (the median of its next 8):",
+        "",
+        "| context | " + " | ".join(TARGET_PHASES) + " | whole | target's usual gap |",
+        "|--:|" + "--:|" * (len(TARGET_PHASES) + 2),
+    ]
+    for context in contexts:
+        rows = [r for r in timed if r["context"] == context]
+        cells = [statistics.median(r["target_phase_ms"].get(p, 0.0) for r in rows) for p in TARGET_PHASES]
+        whole = statistics.median(sum(r["target_phase_ms"].values()) for r in rows)
+        usual = statistics.median(r["local_itl_ms"] for r in rows)
+        lines.append(
+            f"| {context} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {whole:.1f} | {usual:.1f} |"
+        )
+    return lines
 
 
 def _share(row: dict[str, Any], side: str) -> str:

@@ -22,7 +22,7 @@ import redis
 
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
-from shoal_protos.records import Keys, engine_record_decoder, migration_record_decoder
+from shoal_protos.records import TARGET_PHASES, Keys, engine_record_decoder, migration_record_decoder
 from tests.integration.support import STALL_S, free_port, sim_fleet, wait_until
 
 pytestmark = pytest.mark.integration
@@ -127,6 +127,20 @@ def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: 
     assert record.kv_tokens == record.total_tokens - 1
     # The copies took the time the bytes need at 8 GB/s (the engines run at speed 1).
     assert record.duration_ms >= record.bytes / 8e9 * 1000
+    # The target adds the client's gap and its own parts of it, from the commit to the first
+    # token: they fit inside the gap, and the first step there took a simulated step's time.
+    key = moving_fleet.keys.migration(result.migration_id)
+    wait_until(
+        lambda: migration_record_decoder.decode(moving_fleet.redis.get(key)).stall_ms is not None,
+        STALL_S,
+        "the target to record the stall",
+    )
+    record = migration_record_decoder.decode(moving_fleet.redis.get(key))
+    assert list(record.target_phase_ms) == list(TARGET_PHASES)
+    assert all(ms >= 0 for ms in record.target_phase_ms.values())
+    assert record.target_phase_ms["first_step"] > 0
+    assert record.stall_ms is not None
+    assert sum(record.target_phase_ms.values()) <= record.stall_ms + 1.0
 
 
 async def test_the_balancing_leader_moves_requests_off_a_crowded_simulated_engine(

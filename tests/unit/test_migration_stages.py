@@ -16,15 +16,17 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 import zmq
 
+from shoal_engine.backend import EngineTimes
 from shoal_engine.config import EngineConfig
 from shoal_engine.kv.sim_agent import SimKvAgent, SimStaging
 from shoal_engine.metrics import EngineMetrics
-from shoal_engine.migration import MigrationError, MigrationManager, mean_step_ms
+from shoal_engine.migration import MigrationError, MigrationManager, mean_step_ms, target_phases_ms
 from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
 from shoal_protos.messages import PROTOCOL_VERSION, AddRequest, SamplingOptions
 from shoal_protos.records import (
+    TARGET_PHASES,
     EngineRecord,
     Keys,
     json_encoder,
@@ -344,3 +346,21 @@ def test_the_source_pace_is_the_mean_time_between_the_steps_that_ended_in_a_wind
     assert mean_step_ms(ends, 0.501, 0.509) == 0.0
     assert mean_step_ms(ends, 0.5, 0.505) == 0.0
     assert mean_step_ms([], 0.0, 1.0) == 0.0
+
+
+def test_the_target_times_the_hand_over_from_the_commit_to_the_first_token_in_four_parts() -> None:
+    # The commit reached the target at 10.000 s; its engine took the request in 3 ms later,
+    # scheduled it 1 ms after that, sampled its first token 40 ms later; the token reached the
+    # engine service 2 ms after.
+    times = EngineTimes(queued=10.003, scheduled=10.004, first_token=10.044)
+    phases = target_phases_ms(10.0, times, 10.046)
+    assert list(phases) == list(TARGET_PHASES)
+    assert phases == pytest.approx({"admit": 3.0, "queue": 1.0, "first_step": 40.0, "output": 2.0})
+    # The parts add up to the whole hand-over on the target.
+    assert sum(phases.values()) == pytest.approx(46.0)
+    # A stamp read before the one it follows (another process's clock read) counts 0, and the
+    # parts after it are timed from the latest mark, so none is negative and none counted twice.
+    skewed = target_phases_ms(10.0, EngineTimes(9.999, 10.004, 10.044), 10.046)
+    assert skewed == pytest.approx({"admit": 0.0, "queue": 4.0, "first_step": 40.0, "output": 2.0})
+    # An engine that keeps no stamps: no parts, rather than made-up ones.
+    assert target_phases_ms(10.0, None, 10.046) == {}

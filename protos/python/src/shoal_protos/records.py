@@ -90,6 +90,14 @@ class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
 MIGRATION_PHASES = ("prepare", "precopy", "warm", "stop", "last_stage", "commit", "handover")
 """The parts of a move its source times (``MigrationRecord.phase_ms``), in the order they run."""
 
+TARGET_PHASES = ("admit", "queue", "first_step", "output")
+"""The parts of the hand-over its target times (``MigrationRecord.target_phase_ms``), from the
+commit reaching it to the moved request's first token there: ``admit``, until the engine's
+scheduler holds the request (the engine service and the engine's front end); ``queue``, until it
+is first scheduled (the step in flight ends first); ``first_step``, until that step has sampled
+its first token (the last blocks injected, the forward pass, sampling); ``output``, until the
+token is back in the engine service."""
+
 
 class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     migration_id: str
@@ -119,6 +127,9 @@ class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     # (its first token there minus the last one here) as ``stall_ms`` when it has one.
     stopped_at: float = 0.0
     stall_ms: float | None = None
+    # Milliseconds of each part of the hand-over on the target (``TARGET_PHASES``), added with
+    # ``stall_ms`` where its engine stamps them.
+    target_phase_ms: dict[str, float] = {}
     finished_at: float = 0.0
 
 

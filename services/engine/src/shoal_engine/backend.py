@@ -20,6 +20,16 @@ class BackendInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineTimes:
+    """When the engine's scheduler took a request in, first scheduled it and sampled its first
+    token (``time.monotonic``, this host's clock; the engine runs on the same host)."""
+
+    queued: float
+    scheduled: float
+    first_token: float
+
+
+@dataclass(frozen=True, slots=True)
 class BackendOutput:
     """New output of one request since the previous ``BackendOutput``."""
 
@@ -27,6 +37,8 @@ class BackendOutput:
     text: str
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # On the request's first output with tokens, where the engine has them.
+    engine_times: EngineTimes | None = None
 
 
 @dataclass(slots=True)

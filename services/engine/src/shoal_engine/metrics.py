@@ -98,8 +98,9 @@ class EngineMetrics:
 
         self._migration_phase = Histogram(
             "shoal_engine_migration_phase_seconds",
-            "Wall time of each part of a move on its source: prepare, precopy, warm, stop, "
-            "last_stage, commit, handover (source side).",
+            "Wall time of each part of a move: on its source prepare, precopy, warm, stop, "
+            "last_stage, commit, handover; on its target admit, queue, first_step, output (the "
+            "hand-over, from the commit to the moved request's first token there).",
             [*_LABELS, "phase"],
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0),
             registry=registry,

@@ -44,7 +44,7 @@ import zmq
 import zmq.asyncio
 from redis.exceptions import RedisError
 
-from shoal_engine.backend import BackendRequestError
+from shoal_engine.backend import BackendRequestError, EngineTimes
 from shoal_engine.config import EngineConfig
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.serving import EngineService, StoppedRequest
@@ -59,6 +59,7 @@ from shoal_protos.messages import (
     RouterRequestEncoder,
 )
 from shoal_protos.records import (
+    TARGET_PHASES,
     EngineRecord,
     EngineState,
     Keys,
@@ -171,8 +172,9 @@ class MigrationManager:
         self._history: deque[pb.MigrationResult] = deque(maxlen=256)
         self._status: kv.Status | None = None
         self._owner_script = redis_client.register_script(_SET_OWNER)
-        # Migrated-in requests awaiting their first token: id -> (migration, source's last output).
-        self._arriving: dict[str, tuple[str, float]] = {}
+        # Migrated-in requests awaiting their first token: id -> (migration, source's last
+        # output (wall clock), when the commit reached this engine (monotonic)).
+        self._arriving: dict[str, tuple[str, float, float]] = {}
         service.forward_abort = self._forward_abort
         service.on_first_output = self._first_output
         # Takes the engine out of the rotation (True) or back in: the engine's main sets it to
@@ -726,6 +728,7 @@ class MigrationManager:
         return pb.WarmReply(warmed=True)
 
     async def commit(self, request: pb.CommitRequest) -> pb.CommitReply:
+        reached = time.monotonic()
         reservation = self._reserved.pop(request.migration_id, None)
         if reservation is not None:
             reservation.expiry.cancel()
@@ -740,7 +743,7 @@ class MigrationManager:
             return pb.CommitReply(accepted=False, detail="the target is draining")
         if self._service.tokens_of(add.request_id) is not None:
             return pb.CommitReply(accepted=False, detail="the request already runs here")
-        self._arriving[add.request_id] = (request.migration_id, request.last_output_at)
+        self._arriving[add.request_id] = (request.migration_id, request.last_output_at, reached)
         load = {"migration": request.migration_id, "tokens": request.kv_tokens} if request.kv_tokens else None
         self._service.start(add, {"load": load} if load else None)
         self._metrics.migrated("target", "commit", "MIGRATED")
@@ -753,17 +756,22 @@ class MigrationManager:
         await self._free_staging(request.migration_id)
         return pb.CancelReply()
 
-    def _first_output(self, add: AddRequest, at: float) -> None:
+    def _first_output(
+        self, add: AddRequest, at: float, engine_times: EngineTimes | None, delivered: float
+    ) -> None:
         arriving = self._arriving.pop(add.request_id, None)
         if arriving is None:
             return
-        migration_id, last_output_at = arriving
+        migration_id, last_output_at, reached = arriving
+        phases = target_phases_ms(reached, engine_times, delivered)
+        for phase, ms in phases.items():
+            self._metrics.migration_phase(phase, ms / 1000)
         if last_output_at:
             stall_s = max(0.0, at - last_output_at)
             self._metrics.migration_stall.observe(stall_s)
-            asyncio.get_running_loop().create_task(self._record_stall(migration_id, stall_s * 1000))
+            asyncio.get_running_loop().create_task(self._record_stall(migration_id, stall_s * 1000, phases))
 
-    async def _record_stall(self, migration_id: str, stall_ms: float) -> None:
+    async def _record_stall(self, migration_id: str, stall_ms: float, phases: dict[str, float]) -> None:
         key = self._keys.migration(migration_id)
         # The source writes the record when the commit returns; it may not be there yet (and a
         # loaded machine can hold the source up for seconds).
@@ -774,6 +782,7 @@ class MigrationManager:
                 if raw is not None:
                     record = migration_record_decoder.decode(raw)
                     record.stall_ms = stall_ms
+                    record.target_phase_ms = phases
                     await self._redis.set(key, json_encoder.encode(record), keepttl=True)
                     return
             except RedisError as exc:
@@ -803,6 +812,28 @@ def mean_step_ms(ends: list[float], start: float, end: float) -> float:
     if len(inside) < 2:
         return 0.0
     return (inside[-1] - inside[0]) / (len(inside) - 1) * 1000
+
+
+def target_phases_ms(reached: float, engine_times: EngineTimes | None, delivered: float) -> dict[str, float]:
+    """The parts of a hand-over on its target (``TARGET_PHASES``), in ms, from when the commit
+    reached it, the engine's stamps of the request and when its first token reached the engine
+    service (all ``time.monotonic``); empty without the engine's stamps. A stamp out of order
+    (clocks read in other processes) counts its part as 0, never negative."""
+    if engine_times is None:
+        return {}
+    marks = (
+        reached,
+        engine_times.queued,
+        engine_times.scheduled,
+        engine_times.first_token,
+        delivered,
+    )
+    phases: dict[str, float] = {}
+    last = reached
+    for phase, mark in zip(TARGET_PHASES, marks[1:], strict=True):
+        phases[phase] = max(0.0, mark - last) * 1000
+        last = max(last, mark)
+    return phases
 
 
 class _PhaseClock:

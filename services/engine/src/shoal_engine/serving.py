@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend
+from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend, EngineTimes
 from shoal_engine.metrics import EngineMetrics
 from shoal_protos.messages import (
     AbortRequest,
@@ -111,7 +111,9 @@ class EngineService:
         # Requests that moved away: request id -> owner engine id (bounded, oldest dropped).
         self._moved: dict[str, str] = {}
         self.forward_abort: ForwardAbort | None = None
-        self.on_first_output: Callable[[AddRequest, float], None] | None = None
+        # A request continued here (moved, or its engine died): its first output's wall time,
+        # the engine's stamps of it, and when it reached this service (``time.monotonic``).
+        self.on_first_output: Callable[[AddRequest, float, EngineTimes | None, float], None] | None = None
         self._outbox = _Outbox()
         self._step = 0
         self._draining = False
@@ -327,7 +329,7 @@ class EngineService:
                 running.last_output_at = time.time()
                 running.output_here.set()
                 if first_here and add.output_token_ids and self.on_first_output is not None:
-                    self.on_first_output(add, running.last_output_at)
+                    self.on_first_output(add, running.last_output_at, out.engine_times, time.monotonic())
             running.output_ids.extend(out.token_ids)
             if out.finish_reason is not None:
                 piece.num_prompt_tokens = len(add.prompt_token_ids)

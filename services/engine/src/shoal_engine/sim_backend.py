@@ -51,6 +51,7 @@ from shoal_engine.backend import (
     BackendLoad,
     BackendOutput,
     BackendRequestError,
+    EngineTimes,
 )
 from shoal_engine.kv.sim_agent import SimStaging
 from shoal_protos import kv
@@ -352,6 +353,9 @@ class _Stream:
     waiter: asyncio.Future[None] | None = None
     """What its ``generate`` awaits while it has no tokens: a bare future, cheaper per token
     than an ``asyncio.Event``'s wait and set."""
+    queued: float = 0.0
+    times: EngineTimes | None = None
+    """Set with its first token: when it joined the batch, and the step that made that token."""
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -467,8 +471,10 @@ class SimulatedBackend:
                 self.batch.add(request)
         else:
             self.batch.add(request)
+        stream.queued = time.monotonic()
         self._wake.set()
         loop = asyncio.get_running_loop()
+        told = False
         try:
             while True:
                 if not stream.pending:
@@ -476,7 +482,8 @@ class SimulatedBackend:
                     await stream.waiter
                 tokens, stream.pending = stream.pending, []
                 text = "".join(f" {token}" for token in tokens)
-                yield BackendOutput(tokens, text, request.finish)
+                yield BackendOutput(tokens, text, request.finish, engine_times=None if told else stream.times)
+                told = True
                 if request.finish is not None:
                     return
         finally:
@@ -519,13 +526,16 @@ class SimulatedBackend:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            started = loop.time()
+            started, began = loop.time(), time.monotonic()
             await asyncio.sleep(max(0.0, started + step.ms / 1000.0 / self.config.speed - loop.time()))
             finished = self.batch.finish(step)
-            self.step_ends.append(time.monotonic())
+            ended = time.monotonic()
+            self.step_ends.append(ended)
             for request, token in finished:
                 stream = self._streams.get(request.request_id)
                 if stream is not None:
+                    if stream.times is None:
+                        stream.times = EngineTimes(stream.queued, began, ended)
                     stream.pending.append(token)
                     stream.wake()
             elapsed_ms = (loop.time() - started) * 1000.0

@@ -25,7 +25,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, SchedulerStats
+from vllm.v1.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
 
 from shoal_engine import tcmalloc
 from shoal_engine.backend import (
@@ -34,6 +34,7 @@ from shoal_engine.backend import (
     BackendLoad,
     BackendOutput,
     BackendRequestError,
+    EngineTimes,
 )
 from shoal_engine.config import EngineConfig
 from shoal_engine.detokenize import OutputText, StopStrings
@@ -84,6 +85,14 @@ class _LoadRecorder(StatLoggerBase):
         blocks = self._vllm_config.cache_config.num_gpu_blocks or 0
         self._load.kv_blocks_total = blocks
         logger.info("vLLM engine ready with %d KV blocks", blocks)
+
+
+def _engine_times(stats: object) -> EngineTimes | None:
+    """The engine core's stamps of a request (``RequestOutput.metrics``: monotonic, on this
+    host), once its first token is out; None where vLLM kept none."""
+    if not isinstance(stats, RequestStateStats) or not (stats.queued_ts and stats.first_token_ts):
+        return None
+    return EngineTimes(stats.queued_ts, stats.scheduled_ts or stats.queued_ts, stats.first_token_ts)
 
 
 def to_sampling_params(options: SamplingOptions, detokenize: bool = True) -> SamplingParams:
@@ -175,17 +184,22 @@ class VllmBackend:
                 shoal = {"id": request_id, **(kv_params or {})}
                 params.extra_args = {"kv_transfer_params": {PARAMS_KEY: shoal}}
             outputs = self._llm.generate(prompt, params, request_id, priority=priority)
+            first = True
             try:
                 async for out in outputs:
                     completion = out.outputs[0]
                     reason = completion.finish_reason
                     token_ids = list(completion.token_ids)
+                    times = None
+                    if first and token_ids:
+                        first = False
+                        times = _engine_times(out.metrics)
                     new_text = completion.text if text is None else text.add(token_ids, reason == "stop")
                     if stops is not None:
                         new_text, matched = stops.add(new_text)
                         if matched is not None:
                             # Leaving the loop closes vLLM's stream: it stops the request.
-                            yield BackendOutput(token_ids, new_text, FinishReason.STOP, matched)
+                            yield BackendOutput(token_ids, new_text, FinishReason.STOP, matched, times)
                             break
                         if reason is not None:
                             new_text += stops.flush()
@@ -194,6 +208,7 @@ class VllmBackend:
                         new_text,
                         _FINISH_REASONS.get(reason) if reason else None,
                         completion.stop_reason,
+                        times,
                     )
             finally:
                 # Closing this stream early closes vLLM's at once, which aborts the request
