@@ -339,7 +339,7 @@ def pace_label(text: str) -> str:
     return f"{mib} MiB/s" if mib else f"{100 * share:g} % of the time" if share else "none"
 
 
-def bench_fleet(max_model_len: int, pace: str = "0") -> FleetConfig:
+def bench_fleet(max_model_len: int, pace: str = "0", block_size: int | None = None) -> FleetConfig:
     precopy_mib_per_s, precopy_share = pace_of(pace)
     return FleetConfig(
         model_path=ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct",
@@ -358,6 +358,7 @@ def bench_fleet(max_model_len: int, pace: str = "0") -> FleetConfig:
         max_model_len=max_model_len,
         kv_cache_gib=2,
         restart=False,
+        kv_block_size=block_size or FleetConfig.kv_block_size,
         migration_precopy_mib_per_s=precopy_mib_per_s,
         migration_precopy_share=precopy_share,
     )
@@ -749,7 +750,8 @@ def section(
         lines += ["", "![bandwidth](img/migration_bandwidth.png)", ""]
     if stalls:
         lines += [
-            "**Stall.** SmolLM2-135M-Instruct, two CPU engines (one core each), a streaming greedy "
+            "**Stall.** SmolLM2-135M-Instruct, two CPU engines (one core each, KV blocks of "
+            f"{args.block_size} tokens), a streaming greedy "
             f"request moved after {args.move_after} tokens; stall = the gap before the client's first "
             "token from the target, minus the stream's median inter-token gap; 'target's clock' = the "
             "same from the source's last token to the target's first, as the target recorded it (no "
@@ -910,6 +912,12 @@ def main() -> None:
         help="the ways of moving the stall section measures (all of them by default)",
     )
     parser.add_argument("--move-after", type=int, default=16)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=FleetConfig.kv_block_size,
+        help="the engines' KV block size in tokens (the fleet's default; the CPU build: multiples of 32)",
+    )
     parser.add_argument("--slowdown-contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--slowdown-moves", type=int, default=24, help="measured moves per context and pace")
     parser.add_argument("--bystanders", type=int, default=4, help="other streams decoding during a move")
@@ -937,7 +945,7 @@ def main() -> None:
         # Room for the stall's longest request, and for the slowdown's moved request to decode
         # through all of its moves (SmolLM2 takes up to 8,192 positions).
         longest = max(max(args.contexts) + args.move_after + 160, max(args.slowdown_contexts) + 4000)
-        cfg = bench_fleet(min(longest, 8192), pace)
+        cfg = bench_fleet(min(longest, 8192), pace, args.block_size)
         fleet = Fleet(cfg, say=say)
         began = time.monotonic()
         try:

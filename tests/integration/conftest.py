@@ -97,6 +97,9 @@ def _config(
         engine_control_base_port=16200 + 10 * offset,
         engine_kv_base_port=16300 + 10 * offset,
         enforce_eager=True,
+        # The CPU build's smallest blocks: the tests' short streams then span several blocks,
+        # so their moves pre-copy full blocks before the stop.
+        kv_block_size=32,
         restart=False,
         heartbeat_ttl_s=3.0,
         # Room for a frozen engine, woken, to write its heartbeat again on a loaded machine.

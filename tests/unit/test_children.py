@@ -103,6 +103,8 @@ def test_engines_follow_the_spec() -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     # A CPU engine's pre-copy shares the core that decodes: paced to 5 % of the time by default.
     assert args[args.index("--migration-precopy-share") + 1] == "0.05"
+    # And its KV in vLLM's CPU block size: fewer blocks to admit when a request moves in.
+    assert args[args.index("--block-size") + 1] == "128"
     # The managed Redis wants the password from the Secret the operator generates.
     assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "smol-redis-auth", "key": "password"}}
     assert env["REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@smol-redis:6379/0"
@@ -132,6 +134,7 @@ def test_gpu_engines_ask_for_gpus_and_the_router_gets_its_ingress() -> None:
     assert container["args"][container["args"].index("--kv-transport") + 1] == "nccl"
     # GPU engines copy KV beside the compute: pre-copy is not paced unless the spec says so.
     assert container["args"][container["args"].index("--migration-precopy-share") + 1] == "0"
+    assert container["args"][container["args"].index("--block-size") + 1] == "32"
     assert container["args"][container["args"].index("--scheduling-policy") + 1] == "priority"
     assert container["args"][container["args"].index("--priority-headroom") + 1] == "0.25"
     rule = one(rendered, "Ingress", "router")["spec"]["rules"][0]
@@ -304,3 +307,13 @@ def test_a_precopy_share_in_the_spec_reaches_the_engines(gpus: int, share: float
     deployment = one(children.render(cluster), "Deployment", "engine")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["args"][container["args"].index("--migration-precopy-share") + 1] == passed
+
+
+@pytest.mark.parametrize(("gpus", "size"), [(0, 64), (1, 128)])
+def test_a_block_size_in_the_spec_reaches_the_engines(gpus: int, size: int) -> None:
+    obj = yaml.safe_load((ROOT / "operator" / "samples" / "minimal.yaml").read_text())
+    obj["spec"].setdefault("engine", {}).update({"gpus": gpus, "blockSize": size})
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))
+    deployment = one(children.render(cluster), "Deployment", "engine")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"][container["args"].index("--block-size") + 1] == str(size)

@@ -229,6 +229,16 @@ def precopy_share(engine: EngineSpec) -> float:
     return CPU_PRECOPY_SHARE if engine.gpus == 0 else 0.0
 
 
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 32
+
+
+def block_size(engine: EngineSpec) -> int:
+    """The engine's ``--block-size``: the spec's, else the default for its kind."""
+    if engine.block_size is not None:
+        return engine.block_size
+    return CPU_BLOCK_SIZE if engine.gpus == 0 else GPU_BLOCK_SIZE
+
+
 def engine_deployment(cluster: Cluster) -> Manifest:
     spec, engine = cluster.spec, cluster.spec.engine
     args = [
@@ -250,7 +260,7 @@ def engine_deployment(cluster: Cluster) -> Manifest:
         "--control-port", str(ENGINE_CONTROL_PORT),
         "--kv-port", str(ENGINE_KV_PORT),
         "--kv-transport", engine.kv_transport,
-        "--block-size", str(engine.block_size),
+        "--block-size", str(block_size(engine)),
         "--migration-precopy-share", f"{precopy_share(engine):g}",
     ]  # fmt: skip
     mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]

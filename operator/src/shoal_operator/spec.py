@@ -131,8 +131,15 @@ class EngineSpec(_Spec):
         alias="kvTransport",
         description="How migrations copy KV blocks between engines: tcp or gloo on CPU, nccl on GPUs.",
     )
-    block_size: int = Field(
-        default=32, alias="blockSize", ge=16, le=256, multiple_of=16, description="Tokens per KV block."
+    block_size: int | None = Field(
+        default=None,
+        alias="blockSize",
+        ge=16,
+        le=256,
+        multiple_of=16,
+        description="Tokens per KV block. Unset: 128 on CPU engines (vLLM's CPU default: fewer blocks "
+        "for vLLM to hash, look up and allocate when a moved request is admitted, and faster CPU "
+        "attention over long contexts) and 32 on GPU engines.",
     )
     max_num_seqs: int = Field(
         default=64, alias="maxNumSeqs", ge=1, le=4096, description="Most requests one engine batches."

@@ -126,8 +126,10 @@ class EngineConfig(BaseModel):
     costs only as much as has been used). Chunks that do not fit go to fresh memory."""
 
     block_size: int | None = Field(default=None, ge=16)
-    """KV block size in tokens; None keeps vLLM's default. Smaller blocks leave a shorter tail
-    to recompute after a migration (the CPU build needs a multiple of 32)."""
+    """KV block size in tokens; None keeps vLLM's default (128 on CPU; the CPU build needs a
+    multiple of 32). A request moved here has every block of its context hashed, looked up and
+    allocated when it is admitted: fewer, larger blocks keep a long context's stall near a
+    short one's."""
 
     migration_max_stages: int = Field(default=4, ge=1)
     """Pre-copy stages at most before the request is stopped for the last one."""

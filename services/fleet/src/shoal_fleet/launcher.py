@@ -82,9 +82,12 @@ class FleetConfig:
     --migration-precopy-share. These engines decode on CPU cores that the KV copy shares, so the
     default paces it as the operator does for CPU engines (a pre-copy under one 8 MiB chunk, about
     350 tokens of SmolLM2, is not slowed at all)."""
-    kv_block_size: int = 32
-    """KV block size in tokens when migration is on (the CPU build's smallest): a move's last
-    stage, after the stop, sends the partly filled block and the ones filled since the pre-copy."""
+    kv_block_size: int = 128
+    """KV block size in tokens when migration is on: vLLM's CPU default. A move's last stage,
+    after the stop, sends the partly filled block and the ones filled since the pre-copy; the
+    target's admission hashes, looks up and allocates every block of the context, so fewer,
+    larger blocks keep the stall of a long context near a short one's (the CPU build allows
+    multiples of 32)."""
     max_model_len: int | None = 2048
     dtype: str = "bfloat16"
     """Weights and KV cache precision of the engines."""
