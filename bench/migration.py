@@ -987,7 +987,14 @@ def main() -> None:
         if not results[part]:
             results[part] = last_results(part)
     text = section(results["bandwidth"], results["stall"], results["slowdown"], args, note)
-    if args.no_docs:
+    missing = [part for part in ("bandwidth", "stall", "slowdown") if not results[part]]
+    if missing and not args.no_docs:
+        # The section is written whole: writing it now would drop what the docs show of them.
+        say(
+            f"no run in {RESULTS.relative_to(ROOT)} measured {', '.join(missing)}: the docs keep "
+            "their section (run those parts too to rewrite it); this run's section follows"
+        )
+    if args.no_docs or missing:
         print(text)
     else:
         plots(results["bandwidth"], results["stall"])
