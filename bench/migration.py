@@ -339,7 +339,7 @@ def pace_label(text: str) -> str:
     return f"{mib} MiB/s" if mib else f"{100 * share:g} % of the time" if share else "none"
 
 
-def bench_fleet(max_model_len: int, pace: str = "0", block_size: int | None = None) -> FleetConfig:
+def bench_fleet(max_model_len: int, pace: str, block_size: int) -> FleetConfig:
     precopy_mib_per_s, precopy_share = pace_of(pace)
     return FleetConfig(
         model_path=ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct",
@@ -358,7 +358,7 @@ def bench_fleet(max_model_len: int, pace: str = "0", block_size: int | None = No
         max_model_len=max_model_len,
         kv_cache_gib=2,
         restart=False,
-        kv_block_size=block_size or FleetConfig.kv_block_size,
+        kv_block_size=block_size,
         migration_precopy_mib_per_s=precopy_mib_per_s,
         migration_precopy_share=precopy_share,
     )

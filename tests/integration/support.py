@@ -32,6 +32,7 @@ from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
 from shoal_protos.records import (
+    TARGET_PHASES,
     EngineRecord,
     Keys,
     LoadReport,
@@ -176,6 +177,17 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, every
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(every_s)
+
+
+def check_target_phases(record: MigrationRecord) -> None:
+    """A migrated-in record's parts of the hand-over on its target: all four, none negative, the
+    first step took time, and together they fit inside the gap the client saw (the commit came
+    after the source's last token)."""
+    assert record.stall_ms is not None
+    assert list(record.target_phase_ms) == list(TARGET_PHASES)
+    assert all(ms >= 0 for ms in record.target_phase_ms.values())
+    assert record.target_phase_ms["first_step"] > 0
+    assert sum(record.target_phase_ms.values()) <= record.stall_ms + 1.0
 
 
 async def until(
