@@ -36,6 +36,10 @@ run: setup models ## Serve SmolLM2 at http://127.0.0.1:8000 with two engines (Ct
 test: setup models ## Run every test tier that runs on this machine
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+.PHONY: gpu-check
+gpu-check: ## On a machine with an NVIDIA GPU: the KV agent and transports on CUDA KV caches (its own PyTorch)
+	bash tests/gpu/run.sh
+
 .PHONY: test-unit
 test-unit: setup ## Unit tests only (seconds, no processes)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

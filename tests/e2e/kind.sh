@@ -28,8 +28,10 @@ for image in engine-cpu router tokenizer operator; do
     kind load docker-image "shoal/$image:$TAG" --name "$CLUSTER"
 done
 
-step 4 "helm install (operator, CRD, sample cluster of two CPU engines)"
-helm upgrade --install shoal charts/shoal --namespace "$NAMESPACE" --create-namespace --wait \
+step 4 "helm install (operator and CRD), then the sample cluster of two CPU engines"
+# Two steps: Helm cannot create a cluster in the same install as the CRD that defines its kind.
+helm upgrade --install shoal charts/shoal --namespace "$NAMESPACE" --create-namespace --wait
+helm upgrade shoal charts/shoal --namespace "$NAMESPACE" --wait \
     --set sampleCluster.enabled=true \
     --set-json "sampleCluster.spec={\"model\":{\"source\":\"HuggingFaceTB/SmolLM2-135M-Instruct\",\
 \"servedName\":\"SmolLM2-135M-Instruct\",\"dtype\":\"float32\"},\

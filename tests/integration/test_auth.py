@@ -69,7 +69,8 @@ def test_api_keys_guard_the_api_and_the_admin_endpoints(
             httpx.get(url + path, headers={"Authorization": "Bearer sk-ops"}, timeout=STALL_S).status_code
             == 200
         )
-    assert httpx.get(url + "/health", timeout=STALL_S).status_code == 200  # probes need no key
+    for path in ("/health", "/livez", "/readyz"):  # probes need no key
+        assert httpx.get(url + path, timeout=STALL_S).status_code == 200, path
 
     # Rotation: the file changes (as a mounted Secret does); the router reads it again.
     api_keys.write_text(_line("team-a", "sk-team-a-2"))

@@ -50,11 +50,36 @@ def rule_failures(value: Any, schema: dict[str, Any], path: str = "") -> list[st
     return broken
 
 
+def unknown_fields(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """Fields the schema does not declare: ``kubectl apply`` asks for strict field validation
+    (its default since Kubernetes 1.27), so the API server refuses them instead of pruning."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or path == ".metadata":
+        return []
+    if schema.get("type") == "object" and isinstance(value, dict):
+        properties = schema.get("properties")
+        if properties is None:
+            values = schema.get("additionalProperties", {})
+            return [e for k, v in value.items() for e in unknown_fields(v, values, f"{path}.{k}")]
+        found = [f'unknown field "{path[1:]}.{k}"' for k in value if k not in properties]
+        return found + [
+            e
+            for k, v in value.items()
+            if k in properties
+            for e in unknown_fields(v, properties[k], f"{path}.{k}")
+        ]
+    if schema.get("type") == "array" and isinstance(value, list):
+        return [
+            e for i, v in enumerate(value) for e in unknown_fields(v, schema.get("items", {}), f"{path}[{i}]")
+        ]
+    return []
+
+
 def admit(obj: dict[str, Any]) -> dict[str, Any]:
     """What the API server would store, or ValueError with its complaints."""
     schema = crd_schema()
     stored = defaulted(obj, schema)
-    errors = [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(stored)]
+    errors = unknown_fields(stored, schema)
+    errors += [e.message for e in jsonschema.Draft4Validator(schema).iter_errors(stored)]
     errors += rule_failures(stored, schema)
     if errors:
         raise ValueError("; ".join(errors))

@@ -79,8 +79,28 @@ MINIMAL = {
     ("patch", "message"),
     [
         ({"engine": {"minReplicas": 4, "maxReplicas": 2, "replicas": 3}}, "minReplicas must be <="),
-        ({"engine": {"replicas": 9}}, "replicas must lie between"),
+        ({"engine": {"replicas": 9}}, "replicas must be <= engine.maxReplicas"),
+        (
+            {"engine": {"replicas": 1, "minReplicas": 2}, "autoscaling": {"enabled": True}},
+            "with autoscaling.enabled, engine.replicas must be >= engine.minReplicas",
+        ),
         ({"engine": {"kvTransport": "nccl"}}, "nccl needs engine.gpus > 0"),
+        ({"engine": {"gpus": 1, "kvTransport": "tcp"}}, "kvTransport tcp and gloo copy a CPU KV cache"),
+        ({"engine": {"gpus": 1, "kvTransport": "gloo"}}, "kvTransport tcp and gloo copy a CPU KV cache"),
+        ({"engine": {"gpus": 4, "tensorParallelSize": 2}}, "gpus must equal engine.tensorParallelSize"),
+        ({"engine": {"gpus": 2, "tensorParallelSize": 2, "pipelineParallelSize": 2}}, "gpus must equal"),
+        (
+            {"engine": {"extraArgs": ["--enable-chunked-prefill", "--block-size=64"]}},
+            "--block-size=64 is set by",
+        ),
+        ({"engine": {"extraArgs": ["-tp", "2"]}}, "extraArgs: -tp is set by Shoal"),
+        ({"engine": {"extraArgs": ["--max_model_len", "4096"]}}, "--max_model_len is set by Shoal"),
+        ({"model": {"source": "m", "servedName": "m", "cache": {}}}, "exactly one of claimName"),
+        (
+            {"model": {"source": "m", "servedName": "m", "cache": {"claimName": "c", "sizeLimit": "1Gi"}}},
+            "exactly one of claimName",
+        ),
+        ({"model": {"source": "m", "servedName": "m", "revision": "a b"}}, "does not match"),
         ({"engine": {"kvTransport": "rdma"}}, "'rdma' is not one of"),
         ({"engine": {"replicas": -1}}, "-1 is less than the minimum"),
         ({"engine": {"blockSize": 24}}, "not a multiple of 16"),
@@ -101,6 +121,44 @@ def test_invalid_specs_are_refused_with_the_field_named(patch: dict[str, Any], m
     # The operator's own reading refuses it too (a spec that got past an older CRD).
     with pytest.raises(pydantic.ValidationError):
         InferenceClusterSpec.model_validate(obj["spec"])
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"engine": {"pod": {"tolerations": [{"effect": 3}]}}}, "3 is not of type 'string'"),
+        (
+            {"engine": {"pod": {"affinity": {"nodeAffinity": {"requiredDuringScheduling": {}}}}}},
+            "unknown field",
+        ),
+        ({"engine": {"env": [{"value": "x"}]}}, "'name' is a required property"),
+        ({"router": {"pod": {"topologySpreadConstraints": [{"maxSkew": 1}]}}}, "'topologyKey' is a required"),
+        ({"tokenizer": {"pod": {"imagePullSecrets": [{"name": 7}]}}}, "7 is not of type 'string'"),
+    ],
+)
+def test_kubernetes_typed_fields_are_checked_as_in_a_pod(patch: dict[str, Any], message: str) -> None:
+    # Placement and environment carry Kubernetes' own schemas: the API server refuses them at
+    # apply, as it would in a pod (the operator passes them on as they are).
+    obj = copy.deepcopy(MINIMAL)
+    obj["spec"].update(patch)
+    with pytest.raises(ValueError, match=message):
+        admit(obj)
+
+
+@pytest.mark.parametrize(
+    ("name", "admitted"),
+    [("a" * 42, True), ("a" * 43, False), ("llama-8b", True), ("8b-llama", False), ("Llama", False)],
+)
+def test_cluster_names_are_short_dns_labels(name: str, admitted: bool) -> None:
+    # Every child's name (NAME-tokenizer, NAME-redis-auth, the Redis pods' revision label) must
+    # stay a DNS-1035 label of at most 63 characters.
+    obj = copy.deepcopy(MINIMAL)
+    obj["metadata"]["name"] = name
+    if admitted:
+        admit(obj)
+    else:
+        with pytest.raises(ValueError, match=r"metadata\.name must be a DNS-1035 label of at most 42"):
+            admit(obj)
 
 
 def test_unknown_fields_are_refused_by_the_models() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shoal_operator.crd import ROOT
-from shoal_operator.spec import EngineSpec, RouterSpec, TokenizerSpec
+from shoal_operator.spec import CPU_ENGINE_IMAGE, GPU_ENGINE_IMAGE, RouterSpec, TokenizerSpec
 
 DOCKER = ROOT / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
@@ -92,7 +92,8 @@ def test_images_named_by_the_operator_and_the_chart_are_built_by_make_images() -
     assert tag and images
     built = {f"shoal/{name}:{tag.group(1)}" for name in images.group(1).split()}
     defaults = {
-        EngineSpec().image,
+        CPU_ENGINE_IMAGE,  # the engine image when the spec names none: by its GPUs
+        GPU_ENGINE_IMAGE,
         RouterSpec().image,
         TokenizerSpec().image,
     }

@@ -250,6 +250,33 @@ async def test_service_monitor_only_when_its_crd_exists(
     assert [c for c in outcome.created if c.startswith("ServiceMonitor/")] != []
 
 
+async def test_a_service_monitor_crd_installed_later_is_seen_without_a_restart(
+    api: kmock_lib.KubernetesEmulator,
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    kube = Kube(_info(api), discovery_ttl_s=0.2)
+    try:
+        reconciler = Reconciler(kube)
+        await reconciler.reconcile(NS, NAME)
+        assert "ServiceMonitor/smol" not in _children(api)
+        _declare(api, service_monitors=True)  # the Prometheus operator installed meanwhile
+        await _eventually_async(
+            lambda: reconciler.reconcile(NS, NAME), lambda: "ServiceMonitor/smol" in _children(api)
+        )
+    finally:
+        await kube.close()
+
+
+async def _eventually_async(
+    step: Callable[[], Awaitable[Any]], check: Callable[[], bool], timeout_s: float = 10.0
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await step()
+        await asyncio.sleep(0.05)
+
+
 class DrainCall(NamedTuple):
     """One drain, with the engine Deployment, the pods' deletion costs and the cluster's
     Draining condition at that moment."""
@@ -424,7 +451,7 @@ async def operator(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[None]:
     registry = kopf.OperatorRegistry()
     # kmock 0.8 cannot serve the cluster-wide namespace list kopf's scanning asks for; the
     # operator is given its namespace outright instead.
-    register(registry, login=lambda: _info(api), resync_s=3600, scan_cluster=False)
+    register(registry, login=lambda: _info(api), resync_s=3600, scan_cluster=False, namespaces=[NS])
     stop, ready = threading.Event(), threading.Event()
     run = kopf.operator(registry=registry, namespaces=[NS], standalone=True, stop_flag=stop, ready_flag=ready)
     thread = threading.Thread(target=asyncio.run, args=(run,), name="kopf", daemon=True)
@@ -471,14 +498,37 @@ async def test_kopf_scale_change_reaches_the_engine_deployment(api: kmock_lib.Ku
 async def test_kopf_deletion_leaves_children_to_owner_references(api: kmock_lib.KubernetesEmulator) -> None:
     await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
     await _eventually(lambda: set(_children(api)) == EXPECTED_CHILDREN, "every child exists")
+    # No finalizer: deleting a cluster never waits for the operator (gone, uninstalled, or a
+    # namespace being deleted with it).
+    assert not api.objects[CLUSTERS, NS, NAME].get("metadata", {}).get("finalizers")
     before = len(_requests(api))
-    # kopf's finalizer (it stops the resync timer) goes first, then the cluster.
     await _call(api.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"))
-    await _eventually(lambda: api.objects[CLUSTERS, NS, NAME].deleted, "the cluster is gone")
+    assert api.objects[CLUSTERS, NS, NAME].deleted  # at once, as the API server answers
+    await asyncio.sleep(0.5)  # what the operator does next, if anything, to be seen below
     cluster_path = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"
-    # No child touched (the cluster itself: kopf's finalizer, and a status still being written).
+    # No child touched (the cluster itself: a status still being written).
     assert [w for w in _writes(api, before) if cluster_path not in w] == []
     assert set(_children(api)) == EXPECTED_CHILDREN  # left to Kubernetes' garbage collector
+
+
+async def test_a_finalizer_an_older_operator_left_is_taken_off(api: kmock_lib.KubernetesEmulator) -> None:
+    legacy = _cluster()
+    legacy["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+    api.objects[CLUSTERS, NS, NAME] = legacy
+    registry = kopf.OperatorRegistry()
+    register(registry, login=lambda: _info(api), resync_s=3600, scan_cluster=False, namespaces=[NS])
+    stop, ready = threading.Event(), threading.Event()
+    run = kopf.operator(registry=registry, namespaces=[NS], standalone=True, stop_flag=stop, ready_flag=ready)
+    thread = threading.Thread(target=asyncio.run, args=(run,), name="kopf", daemon=True)
+    thread.start()
+    try:
+        await _eventually(
+            lambda: not api.objects[CLUSTERS, NS, NAME].get("metadata", {}).get("finalizers"),
+            "kopf's old finalizer is off the cluster",
+        )
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 20)
 
 
 @pytest.mark.usefixtures("operator")
@@ -497,3 +547,73 @@ async def test_kopf_invalid_spec_sets_condition_and_posts_an_event(api: kmock_li
     )
     events = [r.data for r in _requests(api) if r.method == "POST" and r.url.path.endswith("/events")]
     assert any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" for e in events)
+
+
+# ---- what a real API server would make of the writes -----------------------------------------
+
+
+def _spec_patch(api: kmock_lib.KubernetesEmulator, spec: dict[str, Any], generation: int) -> None:
+    api.objects[CLUSTERS, NS, NAME].patch({"spec": spec, "metadata": {"generation": generation}})
+
+
+async def test_an_ingress_turned_off_is_deleted(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    _spec_patch(api, {"router": {"ingress": {"enabled": True, "host": "llm.example"}}}, 2)
+    await reconciler.reconcile(NS, NAME)
+    assert "Ingress/smol-router" in _children(api)
+    _spec_patch(api, {"router": {"ingress": {"enabled": False}}}, 3)
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.deleted == ["Ingress/smol-router"]
+    assert "Ingress/smol-router" not in _children(api)
+    # The managed Redis goes too when the cluster moves to an external one.
+    _spec_patch(api, {"redis": {"mode": "external", "url": "redis://redis.shared:6379/0"}}, 4)
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert sorted(outcome.deleted) == [
+        "NetworkPolicy/smol-redis", "Secret/smol-redis-auth", "Service/smol-redis", "StatefulSet/smol-redis",
+    ]  # fmt: skip
+    # Something with the operator's labels that another owner holds is not the operator's to delete.
+    labels = {"app.kubernetes.io/instance": NAME, "app.kubernetes.io/managed-by": "shoal-operator"}
+    owners = [{"uid": "someone-else"}]
+    meta = {"name": "smol-extra", "namespace": NS, "labels": labels, "ownerReferences": owners}
+    stranger = {**_children(api)["ConfigMap/smol-config"], "metadata": meta}
+    api.objects["v1/configmaps", NS, "smol-extra"] = stranger
+    assert (await reconciler.reconcile(NS, NAME)).deleted == []
+
+
+async def test_router_budget_stays_valid_from_one_router_to_two_and_back(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    # A budget as an older operator left it, with the other limit.
+    budget = api.objects["policy/v1/poddisruptionbudgets", NS, "smol-router"]
+    budget.patch({"spec": {"maxUnavailable": None, "minAvailable": 1}})
+    for generation, routers, allowed_down in ((2, 2, 1), (3, 1, 1), (4, 3, 2)):
+        _spec_patch(api, {"router": {"replicas": routers}}, generation)
+        await reconciler.reconcile(NS, NAME)
+        spec = _children(api)["PodDisruptionBudget/smol-router"]["spec"]
+        # The API server refuses a budget with both limits (422), and every child after it.
+        assert "minAvailable" not in spec, spec
+        assert spec["maxUnavailable"] == allowed_down
+
+
+async def test_quantities_the_api_server_rewrites_cost_no_write(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    api.objects[CLUSTERS, NS, NAME] = _cluster(resources={"cpu": "0.5", "memory": "2048Mi"})
+    await reconciler.reconcile(NS, NAME)
+    # The API server stores quantities in canonical form.
+    engines = api.objects[ENGINES, NS, "smol-engine"]
+    canonical = {"cpu": "500m", "memory": "2Gi"}
+    container = engines["spec"]["template"]["spec"]["containers"][0]
+    stored = {**container, "resources": {"requests": canonical, "limits": canonical}}
+    engines.patch({"spec": {"template": {"spec": {"containers": [stored]}}}})
+    await reconciler.reconcile(NS, NAME)
+    before = len(_requests(api))
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.writes == 0 and _writes(api, before) == []
+    # A real change of quantity is still seen.
+    _spec_patch(api, {"engine": {"resources": {"cpu": "1", "memory": "2048Mi"}}}, 2)
+    assert (await reconciler.reconcile(NS, NAME)).patched == ["Deployment/smol-engine"]

@@ -33,11 +33,13 @@ def typed(value: Any, schema: dict[str, Any]) -> Any:
 
 
 def failures(rules: list[dict[str, str]], value: dict[str, Any]) -> list[str]:
-    """The messages of the rules that ``value`` (as ``self``) breaks."""
+    """The messages of the rules that ``value`` (as ``self``) breaks: a rule's
+    ``messageExpression`` evaluated where it has one, else its ``message``."""
     activation = {"self": celpy.json_to_cel(value)}
     broken = []
     for rule in rules:
         result = _program(rule["rule"]).evaluate(activation)
         if result is not True and result != celpy.celtypes.BoolType(True):
-            broken.append(rule["message"])
+            expression = rule.get("messageExpression")
+            broken.append(str(_program(expression).evaluate(activation)) if expression else rule["message"])
     return broken

@@ -25,10 +25,21 @@ Children, for a cluster ``NAME``:
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from shoal_operator.spec import GROUP, KIND, VERSION, EngineSpec, InferenceClusterSpec
+from shoal_operator.spec import (
+    CPU_ENGINE_IMAGE,
+    GPU_ENGINE_IMAGE,
+    GROUP,
+    KIND,
+    VERSION,
+    EngineSpec,
+    InferenceClusterSpec,
+    ModelSpec,
+    PodSettings,
+)
 
 ENGINE_ZMQ_PORT = 5600
 ENGINE_HTTP_PORT = 8100
@@ -97,8 +108,8 @@ def _meta(cluster: Cluster, name: str, component: str) -> dict[str, Any]:
     }
 
 
-def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
-    amounts: dict[str, Any] = {"cpu": cpu, "memory": memory}
+def _resources(cpu: str, memory: str, gpus: int = 0, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": cpu, "memory": memory, **(extra or {})}
     if gpus:
         amounts["nvidia.com/gpu"] = gpus
     return {"requests": dict(amounts), "limits": dict(amounts)}
@@ -178,8 +189,27 @@ def _redis_env(cluster: Cluster) -> list[dict[str, Any]]:
     return [{"name": "REDIS_URL", "value": redis.url}]
 
 
-def _http_probe(port: int, path: str = "/health") -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": 5, "timeoutSeconds": 3}
+PROBE_PERIOD_S = 5
+
+
+def _http_probe(port: int, path: str) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": PROBE_PERIOD_S, "timeoutSeconds": 3}
+
+
+def _http_probes(port: int, startup_s: int | None = None) -> dict[str, Any]:
+    """Liveness on ``/livez`` (the process and its loop: never "no engine" or "draining", which
+    a restart would not mend and a drain would not survive), readiness on ``/readyz`` (takes
+    requests), and a startup probe allowing ``startup_s`` before liveness counts."""
+    probes = {
+        "readinessProbe": _http_probe(port, "/readyz"),
+        "livenessProbe": {**_http_probe(port, "/livez"), "failureThreshold": 6},
+    }
+    if startup_s is not None:
+        probes["startupProbe"] = {
+            **_http_probe(port, "/livez"),
+            "failureThreshold": max(1, -(-startup_s // PROBE_PERIOD_S)),
+        }
+    return probes
 
 
 def config_map(cluster: Cluster) -> Manifest:
@@ -189,7 +219,7 @@ def config_map(cluster: Cluster) -> Manifest:
         "model": spec.model.source,
         "servedName": spec.model.served_name,
         "maxModelLen": spec.model.max_model_len,
-        "kvTransport": spec.engine.kv_transport,
+        "kvTransport": kv_transport(spec.engine),
         "drainDeadlineSeconds": spec.drain.deadline_seconds,
     }
     return {
@@ -239,10 +269,87 @@ def block_size(engine: EngineSpec) -> int:
     return CPU_BLOCK_SIZE if engine.gpus == 0 else GPU_BLOCK_SIZE
 
 
-def engine_deployment(cluster: Cluster) -> Manifest:
+def kv_transport(engine: EngineSpec) -> str:
+    """The engine's ``--kv-transport``: the spec's, else nccl with GPUs and tcp without."""
+    if engine.kv_transport is not None:
+        return engine.kv_transport
+    return "nccl" if engine.gpus else "tcp"
+
+
+def engine_image(engine: EngineSpec) -> str:
+    """The spec's engine image, else the GPU (official vLLM based) or the CPU one."""
+    if engine.image is not None:
+        return engine.image
+    return GPU_ENGINE_IMAGE if engine.gpus else CPU_ENGINE_IMAGE
+
+
+MODEL_DIR = "/models"
+"""Where a model's PersistentVolumeClaim is mounted (read-only) in engines and tokenizers."""
+CACHE_DIR = "/cache"
+"""Where the download cache is mounted; ``HF_HOME`` points below it."""
+
+
+def model_path(model: ModelSpec) -> str:
+    """What engines and the tokenizer load: the repository id, or the folder in the claim."""
+    if model.pvc is None:
+        return model.source
+    return f"{MODEL_DIR}/{model.source.strip('/')}".rstrip("/") if model.source.strip("/") else MODEL_DIR
+
+
+def _model_volumes(model: ModelSpec) -> tuple[list[Manifest], list[Manifest], list[Manifest], dict[str, str]]:
+    """The model's volumes, their mounts, its environment (cache, token) and the ephemeral
+    storage an emptyDir cache reserves (empty when there is none)."""
+    volumes: list[Manifest] = []
+    mounts: list[Manifest] = []
+    env: list[Manifest] = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}]
+    storage: dict[str, str] = {}
+    if model.pvc is not None:
+        claim = {"claimName": model.pvc.claim_name, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    cache = model.cache
+    if cache is not None and cache.claim_name is not None:
+        volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": cache.claim_name}})
+    elif cache is not None and cache.size_limit is not None:
+        volumes.append({"name": "cache", "emptyDir": {"sizeLimit": cache.size_limit}})
+        storage["ephemeral-storage"] = cache.size_limit
+    else:
+        volumes.append({"name": "cache", "emptyDir": {}})
+    mounts.append({"name": "cache", "mountPath": CACHE_DIR})
+    if model.token_secret is not None:
+        ref = {"name": model.token_secret.name, "key": model.token_secret.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    return volumes, mounts, env, storage
+
+
+def _pod_settings(pod: PodSettings) -> dict[str, Any]:
+    """A component's pod spec fields for placement, as the spec gives them."""
+    fields: dict[str, Any] = {
+        "nodeSelector": pod.node_selector or None,
+        "tolerations": pod.tolerations or None,
+        "affinity": pod.affinity,
+        "topologySpreadConstraints": pod.topology_spread_constraints or None,
+        "priorityClassName": pod.priority_class_name,
+        "runtimeClassName": pod.runtime_class_name,
+        "schedulerName": pod.scheduler_name,
+        "serviceAccountName": pod.service_account_name,
+        "imagePullSecrets": pod.image_pull_secrets or None,
+    }
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def _template_meta(cluster: Cluster, component: str, pod: PodSettings) -> Manifest:
+    """A pod template's metadata: the spec's extra labels under Shoal's own (which select it)."""
+    meta: Manifest = {"labels": {**pod.labels, **labels(cluster, component)}}
+    if pod.annotations:
+        meta["annotations"] = dict(pod.annotations)
+    return meta
+
+
+def _engine_args(cluster: Cluster) -> list[str]:
     spec, engine = cluster.spec, cluster.spec.engine
     args = [
-        "--model", spec.model.source,
+        "--model", model_path(spec.model),
         "--served-model-name", spec.model.served_name,
         "--engine-id", "$(POD_NAME)",
         "--cluster", cluster.cluster_id,
@@ -259,35 +366,55 @@ def engine_deployment(cluster: Cluster) -> Manifest:
         "--migration",
         "--control-port", str(ENGINE_CONTROL_PORT),
         "--kv-port", str(ENGINE_KV_PORT),
-        "--kv-transport", engine.kv_transport,
+        "--kv-transport", kv_transport(engine),
         "--block-size", str(block_size(engine)),
         "--migration-precopy-share", f"{precopy_share(engine):g}",
+        "--tensor-parallel-size", str(engine.tensor_parallel_size),
+        "--pipeline-parallel-size", str(engine.pipeline_parallel_size),
     ]  # fmt: skip
-    mounts: list[dict[str, Any]] = [{"name": "shm", "mountPath": "/dev/shm"}]
-    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    if spec.model.revision is not None:
+        args += ["--revision", spec.model.revision]
+    if engine.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    if engine.quantization is not None:
+        args += ["--quantization", engine.quantization]
+    if engine.extra_args:
+        # One shell-quoted word, so a value that starts with "--" stays the flag's value.
+        args.append(f"--vllm-args={shlex.join(engine.extra_args)}")
+    return args
+
+
+def engine_deployment(cluster: Cluster) -> Manifest:
+    spec, engine = cluster.spec, cluster.spec.engine
+    args = _engine_args(cluster)
+    shm: Manifest = {"medium": "Memory", **({"sizeLimit": engine.shm_size} if engine.shm_size else {})}
+    model_volumes, mounts, model_env, storage = _model_volumes(spec.model)
+    mounts = [{"name": "shm", "mountPath": "/dev/shm"}, *mounts]
+    volumes: list[dict[str, Any]] = [{"name": "shm", "emptyDir": shm}, *model_volumes]
     if spec.zmq_curve_secret is not None:
         curve_secret = spec.zmq_curve_secret
         args += _secret_file("--zmq-curve-key-file", curve_secret.name, curve_secret.key, mounts, volumes)
-    env = _POD_ENV + _redis_env(cluster)
+    env = _POD_ENV + _redis_env(cluster) + model_env
     if engine.gpus == 0:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(engine.kv_cache_gib)})
+    env += engine.env
     container = {
         "name": "engine",
-        "image": engine.image,
+        "image": engine_image(engine),
         "command": ["shoal-engine"],
         "args": args,
         "env": env,
+        **({"envFrom": engine.env_from} if engine.env_from else {}),
         "ports": [
             {"name": "zmq", "containerPort": ENGINE_ZMQ_PORT},
             {"name": "http", "containerPort": ENGINE_HTTP_PORT},
             {"name": "control", "containerPort": ENGINE_CONTROL_PORT},
             {"name": "kv", "containerPort": ENGINE_KV_PORT},
         ],
-        "resources": _resources(engine.resources.cpu, engine.resources.memory, engine.gpus),
-        # Loading a model takes a while: up to 20 minutes before liveness counts.
-        "startupProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 240},
-        "readinessProbe": _http_probe(ENGINE_HTTP_PORT),
-        "livenessProbe": {**_http_probe(ENGINE_HTTP_PORT), "failureThreshold": 6},
+        "resources": _resources(engine.resources.cpu, engine.resources.memory, engine.gpus, storage),
+        # Loading a model takes a while (a download, then the weights): the spec's startup
+        # budget before liveness counts.
+        **_http_probes(ENGINE_HTTP_PORT, engine.startup_seconds),
         # Before SIGTERM: leave the rotation and migrate every request away, answering once
         # empty or at the drain deadline (the grace period covers it). An exec hook, so the call
         # comes from inside the pod: the engine refuses /drain from anywhere else.
@@ -309,8 +436,9 @@ def engine_deployment(cluster: Cluster) -> Manifest:
             "selector": {"matchLabels": selector(cluster, "engine")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": {
-                "metadata": {"labels": labels(cluster, "engine")},
+                "metadata": _template_meta(cluster, "engine", engine.pod),
                 "spec": {
+                    **_pod_settings(engine.pod),
                     "terminationGracePeriodSeconds": spec.drain.deadline_seconds + EXIT_GRACE_S,
                     "securityContext": _pod_security(SHOAL_UID),
                     "containers": [container],
@@ -370,33 +498,37 @@ def router_deployment(cluster: Cluster) -> Manifest:
             {"name": "zmq", "containerPort": ROUTER_ZMQ_PORT},
         ],
         "resources": _resources(router.resources.cpu, router.resources.memory),
-        "readinessProbe": _http_probe(ROUTER_HTTP_PORT),
-        "livenessProbe": {**_http_probe(ROUTER_HTTP_PORT), "failureThreshold": 6},
+        # Live with no engine up (a cold start of GPU engines): only readiness says so.
+        **_http_probes(ROUTER_HTTP_PORT),
     }
-    return _deployment(cluster, "router", router.replicas, container, mounts, volumes)
+    return _deployment(cluster, "router", router.replicas, container, router.pod, mounts, volumes)
 
 
 def tokenizer_deployment(cluster: Cluster) -> Manifest:
     tokenizer, model = cluster.spec.tokenizer, cluster.spec.model
+    args = [
+        "--model", f"{model.served_name}={model_path(model)}",
+        "--host", "$(POD_IP)",
+        "--port", str(TOKENIZER_PORT),
+    ]  # fmt: skip
+    if model.revision is not None:
+        args += ["--revision", model.revision]
+    volumes, mounts, model_env, storage = _model_volumes(model)
+    grpc = {"grpc": {"port": TOKENIZER_PORT}, "periodSeconds": PROBE_PERIOD_S}
     container = {
         "name": "tokenizer",
         "image": tokenizer.image,
         "command": ["shoal-tokenizer"],
-        "args": [
-            "--model",
-            f"{model.served_name}={model.source}",
-            "--host",
-            "$(POD_IP)",
-            "--port",
-            str(TOKENIZER_PORT),
-        ],
-        "env": list(_POD_ENV),
+        "args": args,
+        "env": _POD_ENV + model_env,
         "ports": [{"name": "grpc", "containerPort": TOKENIZER_PORT}],
-        "resources": _resources("1", "2Gi"),
-        "readinessProbe": {"grpc": {"port": TOKENIZER_PORT}, "periodSeconds": 5},
-        "livenessProbe": {"grpc": {"port": TOKENIZER_PORT}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": _resources(tokenizer.resources.cpu, tokenizer.resources.memory, extra=storage),
+        # It loads the model's tokenizer (a download, for a repository id) before it serves.
+        "startupProbe": {**grpc, "failureThreshold": max(1, -(-tokenizer.startup_seconds // PROBE_PERIOD_S))},
+        "readinessProbe": grpc,
+        "livenessProbe": {**grpc, "periodSeconds": 10, "failureThreshold": 6},
     }
-    return _deployment(cluster, "tokenizer", tokenizer.replicas, container)
+    return _deployment(cluster, "tokenizer", tokenizer.replicas, container, tokenizer.pod, mounts, volumes)
 
 
 def _deployment(
@@ -404,10 +536,12 @@ def _deployment(
     component: str,
     replicas: int,
     container: Manifest,
+    pod: PodSettings,
     mounts: list[Manifest] | None = None,
     volumes: list[Manifest] | None = None,
 ) -> Manifest:
-    """A Deployment of ``container`` (hardened, /tmp writable) with extra ``mounts`` of ``volumes``."""
+    """A Deployment of ``container`` (hardened, /tmp writable) with extra ``mounts`` of ``volumes``,
+    placed as ``pod`` says."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -417,8 +551,9 @@ def _deployment(
             "selector": {"matchLabels": selector(cluster, component)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": labels(cluster, component)},
+                "metadata": _template_meta(cluster, component, pod),
                 "spec": {
+                    **_pod_settings(pod),
                     "securityContext": _pod_security(SHOAL_UID),
                     "containers": [
                         {
@@ -577,10 +712,10 @@ def render(cluster: Cluster, service_monitors: bool = False) -> list[Manifest]:
         tokenizer_deployment(cluster),
         _service(cluster, "tokenizer", [("grpc", TOKENIZER_PORT)]),
         pod_disruption_budget(cluster, "engine", {"maxUnavailable": 1}),
-        # One router may go when it is the only one (else no node could ever be drained).
-        pod_disruption_budget(
-            cluster, "router", {"minAvailable": 1} if spec.router.replicas > 1 else {"maxUnavailable": 1}
-        ),
+        # One router may go when it is the only one (else no node could ever be drained), all
+        # but one when there are several. Always maxUnavailable: a budget that switched between
+        # the two limits would hold both after a merge patch, which the API server refuses.
+        pod_disruption_budget(cluster, "router", {"maxUnavailable": max(1, spec.router.replicas - 1)}),
         # Engines take requests from routers and KV blocks from each other; nothing else of the
         # cluster reaches them but metrics scrapes (HTTP) and the operator's drains (control).
         network_policy(cluster, "engine", ("router", "engine"), (ENGINE_HTTP_PORT,), (ENGINE_CONTROL_PORT,)),

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-from shoal_operator import dashboards, rbac
+from shoal_operator import dashboards, kubetypes, rbac
 from shoal_operator.spec import (
     GROUP,
     KIND,
+    KUBERNETES_TYPE,
+    NAME_RULE,
     PLURAL,
     SHORT_NAMES,
     SINGULAR,
@@ -31,7 +35,7 @@ from shoal_operator.spec import (
 )
 
 ROOT = Path(__file__).resolve().parents[3]
-CRD_PATH = ROOT / "charts" / "shoal" / "crds" / f"{PLURAL}.{GROUP}.yaml"
+CRD_PATH = ROOT / "charts" / "shoal" / "files" / f"{PLURAL}.{GROUP}.yaml"
 
 _DROP = {"title"}
 
@@ -53,40 +57,73 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             rest = {k: v for k, v in node.items() if k not in _DROP and k != "anyOf"}
             if rest.get("default", "") is None:
                 del rest["default"]  # absent, not null
-            return {**convert(branches[0]), **rest}
+            return convert({**branches[0], **rest})
+        if KUBERNETES_TYPE in node:
+            return _kubernetes_field(node)
         out: dict[str, Any] = {}
         for key, value in node.items():
             if key in _DROP or key == "$defs":
                 continue
             if key == "properties":
-                required = set(node.get("required", ()))
                 out[key] = {name: convert(child) for name, child in value.items()}
-                for name, child in out[key].items():
-                    # An omitted sub-object defaults to {}, so the API server fills in its
-                    # fields' defaults too (and .spec.engine.replicas always exists for scale);
-                    # not an Optional one, whose absence means something.
-                    optional = "anyOf" in value[name]
-                    if child.get("type") == "object" and name not in required and not optional:
-                        child.setdefault("default", {})
             elif key == "items":
                 out[key] = convert(value)
             elif key == "additionalProperties":
-                continue  # unknown fields are pruned by the API server (and refused by pydantic)
+                # A map (string to string) keeps its value schema; a model's `extra` flag does not
+                # (unknown fields are pruned by the API server and refused by pydantic).
+                if isinstance(value, dict) and "properties" not in node:
+                    out[key] = convert(value)
             elif key in ("exclusiveMinimum", "exclusiveMaximum"):
                 # JSON Schema's numeric form; OpenAPI v3.0 (Kubernetes) takes a bound and a flag.
                 out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
                 out[key] = True
             else:
                 out[key] = value
-        if out.get("type") == "object" and "properties" not in out:
+        if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
             raise ValueError(f"an object without properties is not structural: {node}")
         return out
 
     return convert(schema)
 
 
+def _kubernetes_field(node: dict[str, Any]) -> dict[str, Any]:
+    """A field holding a Kubernetes type (or a list of them): that type's own schema."""
+    definition = kubetypes.schema(node[KUBERNETES_TYPE])
+    own = {k: v for k, v in node.items() if k not in _DROP and k not in (KUBERNETES_TYPE, "items")}
+    if node.get("type") == "array":
+        return {**own, "type": "array", "items": definition}
+    own.pop("additionalProperties", None)
+    return {**definition, **own, "type": "object"}
+
+
+def _fill_defaults(model: type[BaseModel], node: dict[str, Any]) -> None:
+    """Give every optional field of ``model`` with a default its whole default value.
+
+    The API server checks a ``default`` against its node's schema and CEL rules as written,
+    without first filling in the defaults of the fields inside it, so an object's default must
+    already hold each of its fields (``{}`` fails every rule that reads one). The same values
+    are what pydantic fills in, so the API server and the operator read a spec alike.
+    """
+    for name, info in model.model_fields.items():
+        child = node["properties"][info.alias or name]
+        if not info.is_required():
+            value = info.get_default(call_default_factory=True)
+            if isinstance(value, BaseModel):
+                child["default"] = value.model_dump(by_alias=True, exclude_none=True, mode="json")
+            elif value is not None:
+                child["default"] = value
+        annotation = info.annotation
+        if typing.get_origin(annotation) is list:
+            annotation, child = typing.get_args(annotation)[0], child["items"]
+        for candidate in typing.get_args(annotation) or (annotation,):  # X, or X | None
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                _fill_defaults(candidate, child)
+
+
 def _schema(model: type[InferenceClusterSpec] | type[InferenceClusterStatus]) -> dict[str, Any]:
-    return structural(model.model_json_schema(by_alias=True, mode="validation"))
+    schema = structural(model.model_json_schema(by_alias=True, mode="validation"))
+    _fill_defaults(model, schema)
+    return schema
 
 
 def build() -> dict[str, Any]:
@@ -120,6 +157,7 @@ def build() -> dict[str, Any]:
                             "description": "A Shoal LLM serving fleet: vLLM engines, routers, a "
                             "tokenizer and Redis, with live request migration.",
                             "required": ["spec"],
+                            "x-kubernetes-validations": [NAME_RULE],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

@@ -3,17 +3,20 @@
 * The cluster is created, its spec changes, or the operator starts (resume): reconcile it.
 * Clusters with ``autoscaling.enabled`` are sized from their load every ``autoscale_s`` seconds
   (see ``autoscale``); the new engine count goes through the same reconcile.
-* A timer reconciles every cluster every ``resync_s`` seconds, so drift nobody announced (a
-  missed event, a child edited while the operator was down) is put right.
+* Every ``resync_s`` seconds every cluster is reconciled, so drift nobody announced (a missed
+  event, a child edited while the operator was down) is put right.
 * The engine count goes down: the least-loaded engines are chosen, marked for the ReplicaSet to
   remove first, and drained (they leave the rotation and migrate their requests away, see
   ``scale`` and ``drain``); then the engine Deployment shrinks.
 * A child (found by its ``managed-by`` label) is modified or deleted: reconcile its cluster. A
   deleted child comes back at once; a child whose replica counts change moves the status.
 * The cluster is deleted: nothing to do. Every child has an owner reference to the cluster and
-  Kubernetes' garbage collector removes them. (kopf puts a finalizer on each cluster for the
-  resync timer and takes it off when the cluster is deleted: the deletion waits for a running
-  operator.)
+  Kubernetes' garbage collector removes them. The operator puts no finalizer on a cluster, so a
+  deletion never waits for it (an operator that is gone, ``helm uninstall``, a namespace being
+  deleted). That is why the periodic work is two loops of the operator's own that list the
+  clusters, not kopf timers: kopf holds every object with a timer behind its finalizer. A
+  finalizer an older operator left (kopf's) is taken off by kopf the first time it sees the
+  cluster, since no handler asks for one.
 
 kopf keeps its own bookkeeping in ``shoal.dev/`` annotations (never in ``status``, which the
 schema declares in full), and posts Kubernetes events only for warnings.
@@ -21,10 +24,11 @@ schema declares in full), and posts Kubernetes events only for warnings.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -34,8 +38,8 @@ from shoal_operator.autoscale import Autoscaler, FleetRedis
 from shoal_operator.children import Cluster
 from shoal_operator.drain import Drainer, GrpcDrainer
 from shoal_operator.kube import Kube
-from shoal_operator.reconcile import ApiError, Outcome, Reconciler
-from shoal_operator.spec import GROUP, PLURAL, VERSION
+from shoal_operator.reconcile import CLUSTER_API_VERSION, ApiError, Manifest, Outcome, Reconciler
+from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 MANAGED = {"app.kubernetes.io/managed-by": "shoal-operator"}
 CHILD_RESOURCES = (
@@ -49,6 +53,22 @@ CHILD_RESOURCES = (
 )
 """The children's resources the operator watches (all carry the ``managed-by`` label)."""
 RETRY_DELAY_S = 5.0
+logger = logging.getLogger(__name__)
+
+
+async def _every(first_s: float, period_s: float, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work`` every ``period_s`` seconds, first after ``first_s``, until cancelled. A
+    failure is logged with its traceback and the next round runs as usual: one bad round must
+    not end the loop unseen."""
+    await asyncio.sleep(first_s)
+    while True:
+        try:
+            await work()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s failed; it runs again in %g s", getattr(work, "__name__", "work"), period_s)
+        await asyncio.sleep(period_s)
 
 
 @dataclass
@@ -56,6 +76,7 @@ class _State:
     kube: Kube | None = None
     reconciler: Reconciler | None = None
     autoscaler: Autoscaler | None = None
+    loops: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def register(
@@ -67,6 +88,7 @@ def register(
     autoscale_s: float = 15.0,
     redis_url: Callable[[Cluster], Awaitable[str]] | None = None,
     service_monitors: bool = True,
+    namespaces: Sequence[str] | None = None,
 ) -> None:
     """Register the operator's handlers in ``registry``.
 
@@ -78,6 +100,8 @@ def register(
     ``redis_url(cluster)`` (default: the managed Redis Service, or the spec's URL or Secret); the
     same load chooses the engines a scale-down removes.
     ``service_monitors=False``: no ServiceMonitor per cluster, even where its CRD exists.
+    ``namespaces`` are the ones watched (None: every namespace), where the periodic loops list
+    the clusters.
     """
     state = _State()
 
@@ -102,8 +126,18 @@ def register(
             state.autoscaler = Autoscaler(state.kube, fleet=fleet)
         return info
 
+    @kopf.on.startup(registry=registry)
+    async def start_loops(**_: Any) -> None:
+        state.loops = [
+            asyncio.create_task(_every(resync_s, resync_s, resync), name="shoal-resync"),
+            asyncio.create_task(_every(autoscale_s, autoscale_s, autoscale), name="shoal-autoscale"),
+        ]
+
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        for task in state.loops:
+            task.cancel()
+        await asyncio.gather(*state.loops, return_exceptions=True)
         if state.autoscaler is not None:
             await state.autoscaler.close()
         if state.kube is not None:
@@ -124,6 +158,38 @@ def register(
             logger.info(f"created {outcome.created or 'nothing'}, patched {outcome.patched or 'nothing'}")
         return outcome
 
+    async def listed() -> list[Manifest]:
+        if state.kube is None:
+            return []
+        if namespaces is None:
+            return await state.kube.list(CLUSTER_API_VERSION, KIND, "", "")
+        return [c for ns in namespaces for c in await state.kube.list(CLUSTER_API_VERSION, KIND, ns, "")]
+
+    async def resync() -> None:
+        for body in await listed():
+            meta = body["metadata"]
+            try:
+                await reconcile(meta["namespace"], meta["name"], logger)
+            except kopf.TemporaryError as exc:
+                logger.warning("resync of %s/%s: %s", meta["namespace"], meta["name"], exc)
+
+    async def autoscale() -> None:
+        if state.autoscaler is None:
+            return
+        for body in await listed():
+            if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
+                continue
+            meta = body["metadata"]
+            try:
+                replicas = await state.autoscaler.step(body, time.time())
+            except (ApiError, RedisError, OSError) as exc:
+                logger.warning("cannot autoscale %s/%s: %s", meta["namespace"], meta["name"], exc)
+                continue
+            if replicas is not None:
+                logger.info(
+                    "%s/%s: autoscaling set the engines to %d", meta["namespace"], meta["name"], replicas
+                )
+
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
@@ -133,25 +199,6 @@ def register(
         outcome = await reconcile(namespace, name, logger)
         if outcome.invalid and outcome.status_written:
             kopf.warn(body, reason="InvalidSpec", message=outcome.invalid)
-
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_s, initial_delay=resync_s, registry=registry)
-    async def resync(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
-        await reconcile(namespace, name, logger)
-
-    def autoscaled(spec: kopf.Spec, **_: Any) -> bool:
-        return bool((spec.get("autoscaling") or {}).get("enabled"))
-
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=autoscale_s, when=autoscaled, registry=registry)
-    async def autoscale(body: kopf.Body, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
-        if state.autoscaler is None:
-            raise kopf.TemporaryError("not logged in to the API server yet", delay=RETRY_DELAY_S)
-        try:
-            replicas = await state.autoscaler.step(dict(body), time.time())
-        except (ApiError, RedisError, OSError) as exc:
-            logger.warning(f"cannot autoscale: {exc}")
-            return
-        if replicas is not None:
-            logger.info(f"autoscaling: engines set to {replicas}")
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
     def cluster_deleted(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:

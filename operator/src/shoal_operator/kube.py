@@ -8,7 +8,9 @@ Only the kinds the operator manages are known; each maps to its REST path.
 
 from __future__ import annotations
 
+import math
 import ssl
+import time
 from typing import Any
 from urllib.parse import urlencode
 
@@ -42,24 +44,28 @@ def _root(api_version: str) -> str:
 
 
 def path(api_version: str, kind: str, namespace: str, name: str = "", subresource: str = "") -> str:
-    """The REST path of a namespaced object (or of its collection when ``name`` is empty)."""
+    """The REST path of a namespaced object (or of its collection when ``name`` is empty; of
+    every namespace's when ``namespace`` is empty too)."""
     plural = PLURALS.get((api_version, kind))
     if plural is None:
         raise ValueError(f"the operator does not manage {kind} ({api_version})")
-    parts = [_root(api_version), "namespaces", namespace, plural, name, subresource]
+    parts = [_root(api_version), "namespaces" if namespace else "", namespace, plural, name, subresource]
     return "/" + "/".join(part.strip("/") for part in parts if part)
 
 
 class Kube:
     """Kubernetes API calls with the credentials kopf logged in with."""
 
-    def __init__(self, info: kopf.ConnectionInfo, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, info: kopf.ConnectionInfo, timeout_s: float = 30.0, discovery_ttl_s: float = 60.0
+    ) -> None:
         self._base = info.server.rstrip("/")
         self._headers = {"Accept": "application/json", **info.as_http_headers()}
         self._ssl: ssl.SSLContext | bool = info.as_ssl_context() if self._base.startswith("https") else True
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self._discovered: dict[str, set[str]] = {}
+        self._discovered: dict[str, tuple[float, set[str]]] = {}
+        self._discovery_ttl_s = discovery_ttl_s
 
     async def close(self) -> None:
         if self._session is not None:
@@ -107,13 +113,20 @@ class Kube:
         result: Manifest = await self._call("PATCH", url_path, body, "application/merge-patch+json")
         return result
 
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete an object; its dependents go in the background (Kubernetes' default)."""
+        await self._call("DELETE", path(api_version, kind, namespace, name))
+
     async def has_resource(self, api_version: str, plural: str) -> bool:
-        """Whether the API serves ``plural`` in ``api_version`` (asked once, then remembered)."""
-        if api_version not in self._discovered:
+        """Whether the API serves ``plural`` in ``api_version``; the answer is kept for
+        ``discovery_ttl_s``, so a CRD installed (or removed) after the operator started is
+        seen within that time, without a restart."""
+        asked_at, names = self._discovered.get(api_version, (-math.inf, set()))
+        if time.monotonic() - asked_at >= self._discovery_ttl_s:
             try:
                 listing = await self._call("GET", _root(api_version))
             except ApiError:
                 listing = None
             names = {r.get("name", "") for r in (listing or {}).get("resources", [])}
-            self._discovered[api_version] = names
-        return plural in self._discovered[api_version]
+            self._discovered[api_version] = (time.monotonic(), names)
+        return plural in names

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import secrets
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -59,6 +61,8 @@ class Api(Protocol):
         self, api_version: str, kind: str, namespace: str, name: str, body: Manifest, subresource: str = ""
     ) -> Manifest: ...
 
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+
     async def has_resource(self, api_version: str, plural: str) -> bool: ...
 
 
@@ -74,6 +78,7 @@ class Outcome:
 
     created: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
     status_written: bool = False
     drained: list[Drained] = field(default_factory=list)
     invalid: str = ""
@@ -81,27 +86,64 @@ class Outcome:
 
     @property
     def writes(self) -> int:
-        return len(self.created) + len(self.patched) + int(self.status_written)
+        return len(self.created) + len(self.patched) + len(self.deleted) + int(self.status_written)
 
 
-def drifted(desired: Any, live: Any) -> bool:
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+_SUFFIX = {
+    "": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}  # fmt: skip
+_QUANTITY_FIELDS = {"requests", "limits", "sizeLimit"}
+"""Where the API server stores quantities in its canonical form (``0.5`` as ``500m``, ``2048Mi``
+as ``2Gi``): compared by value there, else an unchanged cluster would look drifted forever."""
+
+
+def quantity(text: str) -> Decimal | None:
+    """A Kubernetes quantity's value (``500m`` is 0.5, ``2Gi`` is 2**31), None if not one."""
+    match = _QUANTITY.match(text.strip())
+    if match is None:
+        return None
+    try:
+        return Decimal(match.group(1)) * _SUFFIX[match.group(2) or ""]
+    except InvalidOperation:
+        return None
+
+
+def _same_scalar(desired: Any, live: Any, quantities: bool) -> bool:
+    if desired == live:
+        return True
+    if not (isinstance(desired, int | str) and isinstance(live, int | str)):
+        return False
+    if str(desired) == str(live):  # the API server may echo 8000 for "8000"
+        return True
+    if quantities:
+        wanted, found = quantity(str(desired)), quantity(str(live))
+        return wanted is not None and wanted == found
+    return False
+
+
+def drifted(desired: Any, live: Any, quantities: bool = False) -> bool:
     """True if ``live`` differs from ``desired`` in a field ``desired`` sets.
 
     Dicts: every key of ``desired`` must match in ``live`` (extra live keys are defaults or
-    someone else's). Lists: same length, item by item. Anything else: equal (numbers and their
-    string forms, as the API server may echo ``8000`` for ``"8000"``, count as equal).
+    someone else's); a key ``desired`` sets to None must be absent. Lists: same length, item by
+    item. Anything else: equal (numbers and their string forms count as equal, and resource
+    quantities by value).
     """
     if isinstance(desired, dict):
         if not isinstance(live, dict):
             return True
-        return any(drifted(value, live.get(key)) for key, value in desired.items())
+        return any(
+            drifted(value, live.get(key), quantities or key in _QUANTITY_FIELDS)
+            for key, value in desired.items()
+        )
     if isinstance(desired, list):
         if not isinstance(live, list) or len(live) != len(desired):
             return True
-        return any(drifted(d, item) for d, item in zip(desired, live, strict=True))
-    if desired == live:
-        return False
-    return not (isinstance(desired, int | str) and isinstance(live, int | str) and str(desired) == str(live))
+        return any(drifted(d, item, quantities) for d, item in zip(desired, live, strict=True))
+    return not _same_scalar(desired, live, quantities)
 
 
 def _with_generated_keys(manifest: Manifest) -> Manifest:
@@ -125,7 +167,25 @@ def _owned_fields(manifest: Manifest) -> Manifest:
     fields["metadata"] = {
         key: meta[key] for key in ("labels", "annotations", "ownerReferences") if key in meta
     }
+    if manifest["kind"] == "PodDisruptionBudget":
+        # A budget holds one of the two limits (the API server refuses both): the one not
+        # rendered is removed (null, in a merge patch), so a change of limit stays valid.
+        fields["spec"] = {"minAvailable": None, "maxUnavailable": None, **fields["spec"]}
     return fields
+
+
+CHILD_KINDS = (
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("v1", "Secret"),
+    ("apps/v1", "Deployment"),
+    ("apps/v1", "StatefulSet"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("networking.k8s.io/v1", "Ingress"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+)
+"""Every kind of child ``children.render`` makes: where the reconciler looks for ones to delete."""
 
 
 def _ref(manifest: Manifest) -> str:
@@ -199,6 +259,7 @@ class Reconciler:
             live[ref] = await self._apply(
                 desired, outcome, engines if ref == engines_ref else await self._get(desired)
             )
+        await self._prune(cluster, rendered, monitors, outcome)
         wanted = cluster_status.compute(
             cluster,
             generation,
@@ -210,6 +271,37 @@ class Reconciler:
         )
         outcome.status_written |= await self._write_status(namespace, name, previous, wanted)
         return outcome
+
+    async def _prune(
+        self, cluster: Cluster, rendered: list[Manifest], monitors: bool, outcome: Outcome
+    ) -> None:
+        """Delete the children the spec no longer asks for (an Ingress turned off, the managed
+        Redis of a cluster moved to an external one): objects of the kinds the operator makes,
+        with its labels for this cluster and owned by it, that ``rendered`` does not hold."""
+        wanted = {_ref(child) for child in rendered}
+        owned = f"app.kubernetes.io/instance={cluster.name},app.kubernetes.io/managed-by=shoal-operator"
+        for api_version, kind in CHILD_KINDS:
+            if kind == "ServiceMonitor" and not monitors:
+                continue
+            for live in await self._api.list(api_version, kind, cluster.namespace, owned):
+                meta = live["metadata"]
+                owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+                ref = f"{kind}/{meta['name']}"
+                if cluster.uid not in owners or ref in wanted or meta.get("deletionTimestamp"):
+                    continue
+                try:
+                    await self._api.delete(api_version, kind, cluster.namespace, meta["name"])
+                except ApiError as exc:
+                    if exc.status != 404:
+                        raise
+                    continue
+                logger.info(
+                    "deleted %s: the spec of %s/%s no longer asks for it",
+                    ref,
+                    cluster.namespace,
+                    cluster.name,
+                )
+                outcome.deleted.append(ref)
 
     async def _engine_loads(self, cluster: Cluster) -> dict[str, scale.EngineLoad]:
         if self._loads is None:

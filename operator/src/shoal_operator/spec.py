@@ -17,6 +17,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shoal_operator.cel import failures
+from shoal_protos.vllm_flags import OWNED_VLLM_FLAGS
 
 GROUP = "shoal.dev"
 VERSION = "v1alpha1"
@@ -28,14 +29,47 @@ SHORT_NAMES = ["ic"]
 IMAGE_PATTERN = r"^[a-z0-9]+([._/:@-][a-zA-Z0-9_.-]+)*$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+MAX_NAME_LENGTH = 42
+"""Longest cluster name: every child's name (``NAME-tokenizer``, ``NAME-redis-auth``, the Redis
+StatefulSet's pods and their ``controller-revision-hash`` label) stays a valid DNS-1035 label of
+at most 63 characters."""
+NAME_RULE = {
+    "rule": f"self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && "
+    f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+    "message": f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters "
+    "(lower case letters, digits and '-', starting with a letter): the cluster's children are "
+    "named after it",
+}
+"""The root rule of the CRD (the models never see ``metadata``; the reconciler checks it too)."""
+KUBERNETES_TYPE = "x-shoal-kubernetes"
+"""Schema key naming the Kubernetes API type a field holds (``crd.py`` puts that type's own
+OpenAPI schema there, so the API server validates it as it validates a pod)."""
 _SCORER = r"(least_load|prefix_affinity|session_affinity)(=[0-9]+(\.[0-9]+)?)?"
 SCHEDULER_PATTERN = rf"^(round_robin|{_SCORER}(,{_SCORER})*)$"
 """A router scheduler profile, or scorer weights (see the router's ``core.scheduling``)."""
 
 
-def _rules(*rules: tuple[str, str]) -> dict[str, Any]:
-    """CEL rules for a model's schema: (expression over ``self``, message naming the fields)."""
-    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+def _rules(*rules: tuple[str, str] | dict[str, str]) -> dict[str, Any]:
+    """CEL rules for a model's schema: (expression over ``self``, message naming the fields), or
+    a dict with a ``messageExpression`` where the message names a value."""
+    listed = [r if isinstance(r, dict) else {"rule": r[0], "message": r[1]} for r in rules]
+    return {"x-kubernetes-validations": listed}
+
+
+def _kubernetes(definition: str, **schema: Any) -> dict[str, Any]:
+    """``json_schema_extra`` of a field holding Kubernetes' ``definition`` (or a list of them)."""
+    return {KUBERNETES_TYPE: definition, **schema}
+
+
+def _flag_names(dashes: str) -> str:
+    names = {f[len(dashes) :] for f in OWNED_VLLM_FLAGS if f.startswith(dashes) and f[len(dashes)] != "-"}
+    return "|".join(sorted(name.replace("_", "-").replace("-", "[-_]") for name in names))
+
+
+OWNED_FLAG_PATTERN = f"^(--({_flag_names('--')})|-({_flag_names('-')}))(=.*)?$"
+"""An ``extraArgs`` item that is a flag Shoal sets itself (either spelling, with or without ``=``)."""
 
 
 class _Spec(BaseModel):
@@ -52,20 +86,103 @@ class _Spec(BaseModel):
         return self
 
 
+class TokenSecret(_Spec):
+    """A Secret key holding a token (a Hugging Face access token, a bearer token)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="Secret name.")
+    key: str = Field(default="token", min_length=1, max_length=253, description="Key holding the token.")
+
+
+class ModelVolume(_Spec):
+    """A PersistentVolumeClaim holding the model's files, mounted read-only."""
+
+    claim_name: str = Field(
+        alias="claimName",
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="PersistentVolumeClaim in the cluster's namespace (ReadOnlyMany, or ReadWriteOnce "
+        "with every engine on one node). model.source is then the folder inside it.",
+    )
+
+
+class ModelCache(_Spec):
+    """Where engines and the tokenizer keep downloaded weights (``HF_HOME``)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "has(self.claimName) != has(self.sizeLimit)",
+                "model.cache needs exactly one of claimName (a PersistentVolumeClaim, kept across "
+                "restarts) and sizeLimit (an emptyDir of that size)",
+            ),
+        )
+    )
+
+    claim_name: str | None = Field(
+        default=None,
+        alias="claimName",
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="PersistentVolumeClaim for the download cache (ReadWriteMany when engines run on "
+        "several nodes): weights are downloaded once, not on every start.",
+    )
+    size_limit: str | None = Field(
+        default=None,
+        alias="sizeLimit",
+        pattern=QUANTITY_PATTERN,
+        max_length=32,
+        description="Size of an emptyDir for the download cache; the pods request as much "
+        "ephemeral storage, so the scheduler places them where the weights fit.",
+    )
+
+
 class ModelSpec(_Spec):
     """The model every engine of the cluster serves."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "!has(self.pvc) || !has(self.revision)",
+                "model.revision names a Hugging Face revision; a model in a PersistentVolumeClaim has none",
+            ),
+        )
+    )
 
     source: str = Field(
         min_length=1,
         max_length=512,
-        description="Where engines load the model from: a model repository id or a path inside the "
-        "engine image or volume.",
+        description="Where engines load the model from: a Hugging Face repository id, a path inside "
+        "the engine image, or with model.pvc the folder inside that claim.",
     )
     served_name: str = Field(
         alias="servedName",
         min_length=1,
         max_length=128,
         description="The name clients put in the `model` field of OpenAI requests.",
+    )
+    revision: str | None = Field(
+        default=None,
+        pattern=REVISION_PATTERN,
+        max_length=128,
+        description="Hugging Face revision (branch, tag or commit) to load; unset: the default branch.",
+    )
+    token_secret: TokenSecret | None = Field(
+        default=None,
+        alias="tokenSecret",
+        description="Secret key holding a Hugging Face token, for gated models: engines and the "
+        "tokenizer get it as HF_TOKEN from the Secret (never in arguments or logs).",
+    )
+    pvc: ModelVolume | None = Field(
+        default=None,
+        description="Load the model from a PersistentVolumeClaim mounted read-only at /models "
+        "instead of downloading it.",
+    )
+    cache: ModelCache | None = Field(
+        default=None,
+        description="Volume for downloaded weights; unset: an emptyDir without a limit (downloads "
+        "again on every start, never into the container's own filesystem).",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="Weight and activation type."
@@ -86,31 +203,127 @@ class Resources(_Spec):
     memory: str = Field(default="8Gi", pattern=QUANTITY_PATTERN, max_length=32, description="Memory.")
 
 
+_STRING_MAP = {"maxProperties": 64, "additionalProperties": {"type": "string", "maxLength": 4096}}
+
+
+class PodSettings(_Spec):
+    """Where and how a component's pods run: Kubernetes' own pod fields, validated as the API
+    server validates a pod."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        alias="nodeSelector",
+        json_schema_extra=_STRING_MAP,
+        description="Node labels the pods must land on (a GPU node pool, for instance).",
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list,
+        json_schema_extra=_kubernetes("io.k8s.api.core.v1.Toleration", maxItems=32),
+        description="Taints the pods tolerate (nvidia.com/gpu on tainted GPU nodes, for instance).",
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        json_schema_extra=_kubernetes("io.k8s.api.core.v1.Affinity"),
+        description="Node and pod affinity of the pods.",
+    )
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list,
+        alias="topologySpreadConstraints",
+        json_schema_extra=_kubernetes("io.k8s.api.core.v1.TopologySpreadConstraint", maxItems=8),
+        description="How the pods spread over zones or nodes.",
+    )
+    priority_class_name: str | None = Field(
+        default=None,
+        alias="priorityClassName",
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="PriorityClass of the pods.",
+    )
+    runtime_class_name: str | None = Field(
+        default=None,
+        alias="runtimeClassName",
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="RuntimeClass of the pods (nvidia, for a GPU runtime that is not the default).",
+    )
+    scheduler_name: str | None = Field(
+        default=None,
+        alias="schedulerName",
+        min_length=1,
+        max_length=253,
+        description="Scheduler of the pods.",
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        alias="serviceAccountName",
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="ServiceAccount the pods run as; unset: the namespace's default.",
+    )
+    image_pull_secrets: list[dict[str, Any]] = Field(
+        default_factory=list,
+        alias="imagePullSecrets",
+        json_schema_extra=_kubernetes("io.k8s.api.core.v1.LocalObjectReference", maxItems=16),
+        description="Secrets for pulling the images from a private registry.",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra labels on the pods."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra=_STRING_MAP, description="Extra annotations on the pods."
+    )
+
+
+CPU_ENGINE_IMAGE, GPU_ENGINE_IMAGE = "shoal/engine-cpu:0.1.0", "shoal/engine:0.1.0"
+
+
 class EngineSpec(_Spec):
     """The vLLM engine pods (a Deployment; scale-down removes the least-loaded engines)."""
 
     model_config = ConfigDict(
         json_schema_extra=_rules(
             ("self.minReplicas <= self.maxReplicas", "engine.minReplicas must be <= engine.maxReplicas"),
+            ("self.replicas <= self.maxReplicas", "engine.replicas must be <= engine.maxReplicas"),
             (
-                "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
-                "engine.replicas must lie between engine.minReplicas and engine.maxReplicas",
+                "!has(self.kvTransport) || self.kvTransport != 'nccl' || self.gpus > 0",
+                "engine.kvTransport nccl needs engine.gpus > 0",
             ),
-            ("self.kvTransport != 'nccl' || self.gpus > 0", "engine.kvTransport nccl needs engine.gpus > 0"),
+            (
+                "!has(self.kvTransport) || self.kvTransport == 'nccl' || self.gpus == 0",
+                "engine.kvTransport tcp and gloo copy a CPU KV cache: with engine.gpus use nccl, or "
+                "leave kvTransport unset",
+            ),
+            (
+                "self.gpus == 0 || self.gpus == self.tensorParallelSize * self.pipelineParallelSize",
+                "engine.gpus must equal engine.tensorParallelSize x engine.pipelineParallelSize",
+            ),
+            {
+                "rule": f"self.extraArgs.all(a, !a.matches('{OWNED_FLAG_PATTERN}'))",
+                "messageExpression": "'engine.extraArgs: ' + self.extraArgs.filter(a, "
+                f"a.matches('{OWNED_FLAG_PATTERN}'))[0] + ' is set by Shoal: use the "
+                "InferenceCluster field for it'",
+            },
         )
     )
 
     replicas: int = Field(
-        default=2, ge=0, le=1024, description="Engines running now (the scale subresource)."
+        default=2,
+        ge=0,
+        le=1024,
+        description="Engines running now (the scale subresource); 0 stops every engine and keeps the "
+        "rest of the cluster. With autoscaling it stays within minReplicas..maxReplicas.",
     )
     min_replicas: int = Field(
         default=1, alias="minReplicas", ge=0, le=1024, description="Fewest engines autoscaling keeps."
     )
     max_replicas: int = Field(
-        default=8, alias="maxReplicas", ge=1, le=1024, description="Most engines autoscaling starts."
+        default=8, alias="maxReplicas", ge=1, le=1024, description="Most engines there may be."
     )
-    image: str = Field(
-        default="shoal/engine:0.1.0", pattern=IMAGE_PATTERN, max_length=256, description="Engine image."
+    image: str | None = Field(
+        default=None,
+        pattern=IMAGE_PATTERN,
+        max_length=256,
+        description=f"Engine image; unset: {GPU_ENGINE_IMAGE} with GPUs, {CPU_ENGINE_IMAGE} without.",
     )
     max_surge: int = Field(
         default=1,
@@ -121,15 +334,77 @@ class EngineSpec(_Spec):
         "old engines stop (drained by migration) only as new ones are ready, so capacity never "
         "drops. 0 replaces engines one at a time (each drained before it goes).",
     )
-    gpus: int = Field(default=0, ge=0, le=16, description="GPUs per engine; 0 runs vLLM's CPU build.")
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="GPUs per engine (tensorParallelSize x pipelineParallelSize); 0 runs vLLM's CPU build.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1, alias="tensorParallelSize", ge=1, le=16, description="vLLM's tensor parallel size."
+    )
+    pipeline_parallel_size: int = Field(
+        default=1, alias="pipelineParallelSize", ge=1, le=16, description="vLLM's pipeline parallel size."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        alias="gpuMemoryUtilization",
+        ge=0.05,
+        le=0.99,
+        description="Share of each GPU's memory vLLM may use (weights, activations, KV cache); "
+        "unset: vLLM's default.",
+    )
+    quantization: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9_-]+$",
+        max_length=64,
+        description="vLLM's quantization method (awq, gptq, fp8, ...); unset: from the model's config.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        alias="extraArgs",
+        max_length=64,
+        json_schema_extra={"items": {"type": "string", "maxLength": 512}},
+        description="vLLM engine flags passed through as given (--enable-chunked-prefill, "
+        "--max-num-batched-tokens=8192, --kv-cache-dtype=fp8, ...); vLLM's own parser checks "
+        "them when the engine starts. Flags Shoal sets itself are refused.",
+    )
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        json_schema_extra=_kubernetes("io.k8s.api.core.v1.EnvVar", maxItems=64),
+        description="Extra environment variables of the engine container.",
+    )
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list,
+        alias="envFrom",
+        json_schema_extra=_kubernetes("io.k8s.api.core.v1.EnvFromSource", maxItems=16),
+        description="ConfigMaps and Secrets whose keys become environment variables of the engine.",
+    )
+    shm_size: str | None = Field(
+        default=None,
+        alias="shmSize",
+        pattern=QUANTITY_PATTERN,
+        max_length=32,
+        description="Size limit of /dev/shm (memory-backed; tensor-parallel workers exchange data "
+        "there); unset: no limit of its own.",
+    )
+    startup_seconds: int = Field(
+        default=1200,
+        alias="startupSeconds",
+        ge=30,
+        le=14_400,
+        description="How long an engine may take to load its model before its liveness counts.",
+    )
+    pod: PodSettings = Field(default_factory=PodSettings, description="Placement and pod settings.")
     resources: Resources = Field(default_factory=Resources, description="CPU and memory per engine.")
     kv_cache_gib: int = Field(
         default=4, alias="kvCacheGiB", ge=1, le=4096, description="KV cache per engine (CPU engines), GiB."
     )
-    kv_transport: Literal["tcp", "gloo", "nccl"] = Field(
-        default="tcp",
+    kv_transport: Literal["tcp", "gloo", "nccl"] | None = Field(
+        default=None,
         alias="kvTransport",
-        description="How migrations copy KV blocks between engines: tcp or gloo on CPU, nccl on GPUs.",
+        description="How migrations copy KV blocks between engines: tcp or gloo on CPU, nccl on GPUs. "
+        "Unset: nccl with GPUs, tcp without.",
     )
     block_size: int | None = Field(
         default=None,
@@ -197,6 +472,7 @@ class RouterSpec(_Spec):
         default=Resources(cpu="1", memory="1Gi"), description="CPU and memory per router."
     )
     ingress: IngressSpec = Field(default_factory=IngressSpec, description="Ingress for the router.")
+    pod: PodSettings = Field(default_factory=PodSettings, description="Placement and pod settings.")
     api_keys_secret: KeysSecret | None = Field(
         default=None,
         alias="apiKeysSecret",
@@ -248,6 +524,18 @@ class TokenizerSpec(_Spec):
     image: str = Field(
         default="shoal/tokenizer:0.1.0", pattern=IMAGE_PATTERN, max_length=256, description="Tokenizer image."
     )
+    resources: Resources = Field(
+        default=Resources(cpu="1", memory="2Gi"), description="CPU and memory per tokenizer."
+    )
+    startup_seconds: int = Field(
+        default=600,
+        alias="startupSeconds",
+        ge=30,
+        le=14_400,
+        description="How long a tokenizer may take to load the model's tokenizer (a download, for a "
+        "repository id) before its liveness counts.",
+    )
+    pod: PodSettings = Field(default_factory=PodSettings, description="Placement and pod settings.")
 
 
 class SecretKeyRef(_Spec):
@@ -325,8 +613,45 @@ class AutoscalingSpec(_Spec):
     )
 
 
+class ServiceMonitorSpec(_Spec):
+    """The per-cluster ServiceMonitor (made where the Prometheus operator's CRD exists)."""
+
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra=_STRING_MAP,
+        description="Labels on the ServiceMonitor (kube-prometheus-stack's Prometheus selects monitors "
+        "by label, release=<its release> by default).",
+    )
+    interval: str = Field(
+        default="15s", pattern=r"^[0-9]+(ms|s|m)$", max_length=16, description="How often Prometheus scrapes."
+    )
+    bearer_token_secret: TokenSecret | None = Field(
+        default=None,
+        alias="bearerTokenSecret",
+        description="Secret key holding a raw admin key Prometheus sends as a bearer token (needed when "
+        "router.adminKeysSecret guards /metrics; that Secret holds only the keys' hashes).",
+    )
+
+
+class MonitoringSpec(_Spec):
+    """How Prometheus finds the cluster's metrics."""
+
+    service_monitor: ServiceMonitorSpec = Field(
+        default_factory=ServiceMonitorSpec, alias="serviceMonitor", description="The ServiceMonitor."
+    )
+
+
 class InferenceClusterSpec(_Spec):
     """A serving fleet: engines, routers, a tokenizer and Redis, reconciled by the operator."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            (
+                "!self.autoscaling.enabled || self.engine.replicas >= self.engine.minReplicas",
+                "with autoscaling.enabled, engine.replicas must be >= engine.minReplicas",
+            ),
+        )
+    )
 
     model: ModelSpec = Field(description="The model the cluster serves.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine pods.")
@@ -335,6 +660,7 @@ class InferenceClusterSpec(_Spec):
     redis: RedisSpec = Field(default_factory=RedisSpec, description="Fleet state store.")
     drain: DrainSpec = Field(default_factory=DrainSpec, description="Engine drain by migration.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Engine autoscaling.")
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Prometheus scraping.")
     zmq_curve_secret: CurveKeySecret | None = Field(
         default=None,
         alias="zmqCurveSecret",

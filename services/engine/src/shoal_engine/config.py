@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal_protos.addresses import host_port, http_url, tcp_url
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -30,7 +32,16 @@ class EngineConfig(BaseModel):
     rather than stopping the heartbeats."""
 
     host: str = "127.0.0.1"
-    """Address the ZeroMQ and HTTP sockets bind, and that routers are told to use."""
+    """Address peers are told to reach this engine at (its Redis record: ZeroMQ, HTTP, control
+    and KV addresses); the sockets bind it too unless ``bind_host`` says otherwise. On Kubernetes
+    the pod's IP."""
+
+    bind_host: str | None = None
+    """Address the ZeroMQ request socket, the HTTP server, the EngineControl gRPC server and the
+    KV agent's data socket bind; None: ``host``. ``::`` listens on every IPv6 and IPv4 address
+    (so that ``kubectl port-forward``, which connects to the pod's loopback, reaches them),
+    ``0.0.0.0`` on every IPv4 one (gRPC takes it as every address, IPv6 too). The KV agent's
+    control socket, which hands out KV bytes, always binds ``host``."""
 
     zmq_port: int = Field(default=5600, ge=1, le=65535)
     """Port of the PULL socket that takes ADD and ABORT frames from routers."""
@@ -47,6 +58,31 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = False
     """Skip vLLM's graph compilation: starts in seconds instead of tens of seconds, decodes
     somewhat slower. Tests use it."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs each layer's weights are split across (vLLM's ``tensor_parallel_size``)."""
+
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    """Stages the layers are split into, one group of GPUs each (vLLM's
+    ``pipeline_parallel_size``); an engine uses tensor times pipeline parallel size GPUs."""
+
+    gpu_memory_utilization: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Share of each GPU's memory vLLM may take for weights, activations and KV cache; None
+    keeps vLLM's default. vLLM's CPU build sizes its KV cache by ``VLLM_CPU_KVCACHE_SPACE``."""
+
+    quantization: str | None = Field(default=None, min_length=1)
+    """vLLM's quantization method (``awq``, ``gptq``, ``fp8``, ...); None: read from the model's
+    config, or none."""
+
+    revision: str | None = Field(default=None, min_length=1)
+    """Hugging Face revision (branch, tag or commit) of the model and its tokenizer, when
+    ``model`` names a Hub repository; None: the default branch. A gated model's token comes
+    from the ``HF_TOKEN`` environment variable, never from a flag."""
+
+    vllm_args: tuple[str, ...] = ()
+    """The user's own vLLM engine flags, one word per item (``--vllm-args``, shell-split),
+    applied over vLLM's defaults after vLLM's own parser has checked them. Flags Shoal sets
+    itself (``shoal_protos.vllm_flags``) are refused. The ``sim`` backend ignores them."""
 
     executor_backend: str | None = None
     """vLLM's ``distributed_executor_backend``; None lets vLLM choose. On a single GPU ``uni``
@@ -159,13 +195,44 @@ class EngineConfig(BaseModel):
     """Deadline of each migration step (prepare, a stage, commit)."""
 
     @property
+    def listen_host(self) -> str:
+        """The address the listening sockets bind: ``bind_host``, else ``host``."""
+        return self.bind_host or self.host
+
+    @property
+    def zmq_address(self) -> str:
+        """The request socket's address as routers reach it (the Redis record's)."""
+        return tcp_url(self.host, self.zmq_port)
+
+    @property
+    def zmq_bind(self) -> str:
+        return tcp_url(self.listen_host, self.zmq_port)
+
+    @property
+    def http_address(self) -> str:
+        """The HTTP server's base URL as others reach it (the Redis record's)."""
+        return http_url(self.host, self.http_port)
+
+    @property
+    def kv_data_address(self) -> str:
+        """The KV agent's data socket as other engines reach it (record and prepare replies)."""
+        return tcp_url(self.host, self.kv_port)
+
+    @property
     def kv_data_bind(self) -> str:
-        return f"tcp://{self.host}:{self.kv_port}"
+        return tcp_url(self.listen_host, self.kv_port)
 
     @property
     def kv_agent_address(self) -> str:
-        return f"tcp://{self.host}:{self.kv_port + 1}"
+        """The KV agent's control socket, bound and reached at ``host`` alone whatever
+        ``bind_host`` is: its commands hand out KV bytes, and only this engine calls it."""
+        return tcp_url(self.host, self.kv_port + 1)
 
     @property
     def control_address(self) -> str:
-        return f"{self.host}:{self.control_port}"
+        """The EngineControl gRPC server as other engines and routers reach it (``host:port``)."""
+        return host_port(self.host, self.control_port)
+
+    @property
+    def control_bind(self) -> str:
+        return host_port(self.listen_host, self.control_port)

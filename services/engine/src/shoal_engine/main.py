@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from typing import Annotated
@@ -38,8 +39,10 @@ from shoal_engine.migration import EngineControlServicer, MigrationError, Migrat
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
 from shoal_engine.sim_backend import SimConfig, SimulatedBackend
+from shoal_engine.vllm_args import VllmArgsError, split_vllm_args
 from shoal_protos import curve
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos.addresses import is_loopback, listen_tcp, same_ip
 from shoal_protos.grpc_errors import RefuseUndecodable
 from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
@@ -48,7 +51,9 @@ logger = logging.getLogger("shoal.engine")
 
 
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
-    parser = argparse.ArgumentParser(description="Shoal engine: one vLLM engine behind ZeroMQ.")
+    parser = argparse.ArgumentParser(
+        prog="shoal-engine", description="Shoal engine: one vLLM engine behind ZeroMQ."
+    )
     parser.add_argument("--model", required=True, help="model folder (--backend sim: the step model)")
     parser.add_argument(
         "--backend",
@@ -65,7 +70,18 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address peers are told to reach this engine at (its Redis record)",
+    )
+    parser.add_argument(
+        "--bind-host",
+        default=None,
+        help="address the ZeroMQ, HTTP, control and KV data sockets bind (default: --host); "
+        ":: listens on every IPv6 and IPv4 address, 0.0.0.0 on every IPv4 one (gRPC: every address). "
+        "The KV agent's control socket always binds --host",
+    )
     parser.add_argument("--zmq-port", type=int, default=5600)
     parser.add_argument("--http-port", type=int, default=8100)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -86,6 +102,30 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="CPU build: keep glibc's allocator even where tcmalloc is installed",
     )
     parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per layer (vLLM's TP)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (vLLM's PP)")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="share of GPU memory vLLM may use (default: vLLM's)",
+    )
+    parser.add_argument("--quantization", default=None, help="vLLM quantization method (default: none)")
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="Hub revision of the model and its tokenizer; a gated model's token comes from HF_TOKEN",
+    )
+    parser.add_argument(
+        "--vllm-args",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="your own vLLM engine flags as one shell-quoted string, checked by vLLM's own parser, "
+        'e.g. --vllm-args="--enable-chunked-prefill --kv-cache-dtype fp8" (write it with "=": '
+        "a value that begins with -- is otherwise read as a flag); may repeat, the words add up. "
+        "Flags Shoal sets itself (shoal_protos.vllm_flags) are refused; the sim backend ignores them",
+    )
     parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--migration", action="store_true", help="load the KV connector; serve EngineControl")
@@ -117,6 +157,11 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         help="the fleet's CURVE key file (encrypted frames, members only)",
     )
     args = parser.parse_args(argv)
+    try:
+        vllm_args = split_vllm_args(args.vllm_args)
+    except VllmArgsError as exc:
+        # One line, without the usage: the message names the flag and what to use instead.
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -124,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         cluster=args.cluster,
         redis_url=args.redis_url,
         host=args.host,
+        bind_host=args.bind_host,
         zmq_port=args.zmq_port,
         http_port=args.http_port,
         max_model_len=args.max_model_len,
@@ -134,6 +180,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         tcmalloc=args.tcmalloc,
         executor_backend=args.executor_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization,
+        revision=args.revision,
+        vllm_args=vllm_args,
         heartbeat_ttl_s=args.heartbeat_ttl,
         drain_timeout_s=args.drain_timeout,
         migration=args.migration,
@@ -159,12 +211,14 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
 
 
 def _same_host(peer: str, own_address: str) -> bool:
-    """Whether a peer address is this host: loopback, or the address the engine serves on."""
+    """Whether a peer address is this host: loopback, or the address the engine serves on. A
+    dual-stack listener (``--bind-host ::``) sees IPv4 peers as ``::ffff:a.b.c.d``: they count as
+    the IPv4 address they are."""
     try:
-        ip = ipaddress.ip_address(peer)
+        ipaddress.ip_address(peer)
     except ValueError:
         return False
-    return ip.is_loopback or peer == own_address
+    return is_loopback(peer) or same_ip(peer, own_address)
 
 
 class _HttpServer(uvicorn.Server):
@@ -221,8 +275,7 @@ def build_http_app(
                 )
             return JSONResponse({"migrated": result.migrated, "remaining": result.remaining})
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def ready_state() -> Response:
         try:
             await backend.check_health()
         except BackendDeadError as exc:
@@ -230,6 +283,28 @@ def build_http_app(
         if service.draining:
             return JSONResponse({"status": "draining", "requests": service.num_requests}, status_code=503)
         return JSONResponse({"status": "ok", "requests": service.num_requests})
+
+    # What ``/readyz`` answers, under its first name; launchers and older manifests probe it.
+    @app.get("/health")
+    async def health() -> Response:
+        return await ready_state()
+
+    @app.get("/livez")
+    async def liveness() -> Response:
+        """200 while the process runs (the handler runs on the event loop, so an answer shows
+        that the loop turns) and its backend can still serve, draining or not: a drain may
+        outlast the probe's failure threshold, and a restart then would reload the model. 503
+        once the backend is dead, which no wait mends."""
+        try:
+            await backend.check_health()
+        except BackendDeadError as exc:
+            return JSONResponse({"status": "dead", "error": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readiness() -> Response:
+        """200 while the engine takes requests; 503 while it drains or once its backend is dead."""
+        return await ready_state()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -239,6 +314,20 @@ def build_http_app(
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def http_socket(config: EngineConfig) -> socket.socket:
+    """The HTTP server's listening socket, made here rather than by uvicorn: asyncio makes a
+    socket bound to ``::`` IPv6-only, and ``--bind-host ::`` must take IPv4 connections too."""
+    return listen_tcp(config.listen_host, config.http_port, backlog=2048)
+
+
+def control_server(config: EngineConfig, migrations: MigrationManager) -> grpc.aio.Server:
+    """The EngineControl gRPC server, bound (``[::]:port`` is dual stack in gRPC) but not started."""
+    control = grpc.aio.server(interceptors=[RefuseUndecodable()])
+    pb_grpc.add_EngineControlServicer_to_server(EngineControlServicer(migrations), control)
+    control.add_insecure_port(config.control_bind)
+    return control
 
 
 async def run(config: EngineConfig, backend: EngineBackend) -> int:
@@ -269,14 +358,14 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     )
     service = EngineService(config.engine_id, backend, sender.send, metrics, on_fatal)
 
-    zmq_address = f"tcp://{config.host}:{config.zmq_port}"
+    zmq_address = config.zmq_address
 
     def on_request(message: AddRequest | AbortRequest) -> None:
         if isinstance(message, AddRequest):
             sender.connect(message.reply_to)
         service.on_request(message)
 
-    receiver = RequestReceiver(ctx, zmq_address, loop, on_request, curve_keys)
+    receiver = RequestReceiver(ctx, config.zmq_bind, loop, on_request, curve_keys)
     sender.start()
     receiver.start()
 
@@ -310,7 +399,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         engine_id=config.engine_id,
         model=config.served_model_name,
         zmq_address=zmq_address,
-        http_address=f"http://{config.host}:{config.http_port}",
+        http_address=config.http_address,
         max_model_len=info.max_model_len,
         kv_blocks_total=info.kv_blocks_total,
         max_num_seqs=config.max_num_seqs,
@@ -319,7 +408,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         protocol_version=PROTOCOL_VERSION,
         started_at=time.time(),
         control_address=config.control_address if config.migration else "",
-        kv_address=config.kv_data_bind if config.migration else "",
+        kv_address=config.kv_data_address if config.migration else "",
     )
     keys = Keys(config.cluster)
     migrations: MigrationManager | None = None
@@ -333,20 +422,18 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             keys,
             metrics,
         )
-        control = grpc.aio.server(interceptors=[RefuseUndecodable()])
-        pb_grpc.add_EngineControlServicer_to_server(EngineControlServicer(migrations), control)
-        control.add_insecure_port(config.control_address)
+        control = control_server(config, migrations)
         await control.start()
     http = _HttpServer(
         uvicorn.Config(
             build_http_app(service, backend, metrics, migrations, config.drain_timeout_s, config.host),
-            host=config.host,
+            host=config.listen_host,
             port=config.http_port,
             log_level="warning",
             lifespan="off",
         )
     )
-    http_task = asyncio.create_task(http.serve(), name="http")
+    http_task = asyncio.create_task(http.serve(sockets=[http_socket(config)]), name="http")
     registration = EngineRegistration(
         redis_client,
         keys,
@@ -449,7 +536,12 @@ def main(argv: list[str] | None = None) -> None:
         # vLLM is imported only here, so the rest of the package loads without it.
         from shoal_engine.vllm_backend import VllmBackend
 
-        backend = VllmBackend(config)
+        try:
+            backend = VllmBackend(config)
+        except VllmArgsError as exc:
+            # vLLM's parser refused --vllm-args: one line, before anything loads.
+            print(f"shoal-engine: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
     try:
         code = uvloop.run(run(config, backend))
     finally:

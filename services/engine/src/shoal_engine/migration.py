@@ -51,6 +51,7 @@ from shoal_engine.serving import EngineService, StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
+from shoal_protos.addresses import zmq_connect
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -115,7 +116,7 @@ class AgentClient:
             if self._sock is None:
                 self._sock = self._ctx.socket(zmq.REQ)
                 self._sock.setsockopt(zmq.LINGER, 0)
-                self._sock.connect(self._address)
+                zmq_connect(self._sock, self._address)
             sock = self._sock
             try:
                 await sock.send(kv.encoder.encode(command))
@@ -656,7 +657,7 @@ class MigrationManager:
         if sock is None:
             sock = self._peer_push[address] = self._push_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
+            zmq_connect(sock, address)
         try:
             sock.send_multipart(self._encoder.abort(AbortRequest([request_id], reason)), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -684,7 +685,7 @@ class MigrationManager:
         ttl = self._config.migration_step_timeout_s * (self._config.migration_max_stages + 3)
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, request.migration_id)
         self._reserved[request.migration_id] = _Reservation(request.num_blocks + 1, expiry)
-        return pb.PrepareReply(accepted=True, kv_address=self._config.kv_data_bind, staging_ttl_s=ttl)
+        return pb.PrepareReply(accepted=True, kv_address=self._config.kv_data_address, staging_ttl_s=ttl)
 
     def _refuse_prepare(self, request: pb.PrepareRequest, detail: str) -> pb.PrepareReply:
         self._metrics.migrated("target", "prepare", "REFUSED")

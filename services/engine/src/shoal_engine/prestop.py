@@ -9,21 +9,17 @@ sends SIGTERM. Prints the engine's answer (or why there was none) for the pod's 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 import urllib.error
 import urllib.request
 
+from shoal_protos.addresses import http_url
+
 
 def drain_url(host: str, port: int, rejoin_after_s: float) -> str:
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
-    except ValueError:
-        pass  # a host name
     query = f"?rejoin_after_s={rejoin_after_s:g}" if rejoin_after_s else ""
-    return f"http://{host}:{port}/drain{query}"
+    return f"{http_url(host, port)}/drain{query}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,10 +9,13 @@ hook for custom metrics), called once per engine step.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, NoReturn
 
 from tokenizers import Tokenizer
 from transformers import TokenizersBackend
@@ -22,6 +25,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import GracefulHTTPError, VLLMClientError
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -39,6 +43,7 @@ from shoal_engine.backend import (
 from shoal_engine.config import EngineConfig
 from shoal_engine.detokenize import OutputText, StopStrings
 from shoal_engine.kv.connector import PARAMS_KEY
+from shoal_engine.vllm_args import OWNED_FIELDS, VllmArgsError, refusal
 from shoal_protos.messages import FinishReason, SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -112,9 +117,103 @@ def to_sampling_params(options: SamplingOptions, detokenize: bool = True) -> Sam
     )
 
 
+class _FlagParser(FlexibleArgumentParser):
+    """vLLM's own parser, whose errors raise ``VllmArgsError`` with vLLM's message instead of
+    printing vLLM's usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):
+            message += " (--vllm-args takes vLLM engine flags only: Shoal's router serves the API)"
+        raise VllmArgsError(f"--vllm-args: {message}")
+
+
+def user_engine_args(words: Sequence[str]) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` fields ``words`` set, parsed by vLLM's own parser (names, values
+    and choices checked as ``vllm serve`` checks them). Raises ``VllmArgsError`` on what vLLM
+    refuses and on a field Shoal sets itself."""
+    if not words:
+        return {}
+    # No --help: it would print vLLM's help and exit the engine.
+    parser = _FlagParser(prog="vllm", add_help=False)
+    AsyncEngineArgs.add_cli_args(parser)
+    # Without defaults the namespace holds just what the words set, a value equal to vLLM's
+    # default (--no-enforce-eager) included; a comparison with the defaults would miss that.
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    try:
+        parsed = vars(parser.parse_args(list(words)))
+    except ValueError as exc:  # a --config file vLLM cannot read
+        raise VllmArgsError(f"--vllm-args: {exc}") from None
+    fields = {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    for name in parsed:
+        flag = "--" + name.replace("_", "-")
+        # The parsed names catch spellings no string check sees: abbreviations, --config files.
+        if name in OWNED_FIELDS:
+            raise VllmArgsError(refusal(flag))
+        if name not in fields:
+            raise VllmArgsError(f"--vllm-args: {flag} is not a vLLM engine setting")
+    return parsed
+
+
+def shoal_engine_args(config: EngineConfig) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` fields Shoal sets from its own settings; each is an owned flag
+    (``shoal_protos.vllm_flags``), so the user's flags never carry one."""
+    args: dict[str, Any] = {
+        "model": config.model,
+        "served_model_name": [config.served_model_name],
+        "dtype": config.dtype,
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": config.enforce_eager,
+        "distributed_executor_backend": config.executor_backend,
+        "disable_log_stats": False,
+        "enable_log_requests": False,
+        "block_size": config.block_size,
+        "kv_transfer_config": _kv_transfer_config(config),
+        "scheduling_policy": config.scheduling_policy,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
+        "quantization": config.quantization,
+        "revision": config.revision,
+        "tokenizer_revision": config.revision,
+    }
+    if config.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = config.gpu_memory_utilization
+    return args
+
+
+def build_engine_args(config: EngineConfig) -> AsyncEngineArgs:
+    """The engine arguments vLLM starts with: Shoal's settings, then the user's own flags
+    (``config.vllm_args``). Built in one call, so ``AsyncEngineArgs.__post_init__`` converts
+    each value once. Raises ``VllmArgsError`` on flags vLLM or Shoal refuses."""
+    return AsyncEngineArgs(**shoal_engine_args(config), **user_engine_args(config.vllm_args))
+
+
+def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
+    if not config.migration:
+        return None
+    return KVTransferConfig(
+        kv_connector="ShoalConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="shoal_engine.kv.connector",
+        kv_connector_extra_config={
+            "control_address": config.kv_agent_address,
+            "data_address": config.kv_data_bind,
+            # Where other engines reach the data socket: a bind to ``::`` names no one address.
+            "host": config.host,
+            "transport": config.kv_transport,
+            "staging_bytes": config.kv_staging_mib << 20,
+            # A transfer never outlasts the migration step it serves.
+            "timeout_s": config.migration_step_timeout_s,
+        },
+    )
+
+
 class VllmBackend:
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
+        # Built here, so flags vLLM refuses stop the engine before anything loads.
+        self._args = build_engine_args(config)
         self._load = BackendLoad()
         self._llm: AsyncLLM | None = None
         # The fast tokenizer's own, for ``OutputText``; None: vLLM detokenizes.
@@ -127,22 +226,10 @@ class VllmBackend:
                 logger.info("vLLM's processes run with %s", library)
             elif not library:
                 logger.info("tcmalloc is not installed: vLLM's processes keep glibc's allocator")
-        args = AsyncEngineArgs(
-            model=self._config.model,
-            served_model_name=[self._config.served_model_name],
-            dtype=self._config.dtype,
-            max_model_len=self._config.max_model_len,
-            max_num_seqs=self._config.max_num_seqs,
-            enforce_eager=self._config.enforce_eager,
-            distributed_executor_backend=self._config.executor_backend,
-            disable_log_stats=False,
-            enable_log_requests=False,
-            block_size=self._config.block_size,
-            kv_transfer_config=self._kv_transfer_config(),
-            scheduling_policy=self._config.scheduling_policy,
-        )
         load = self._load
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)])
+        self._llm = AsyncLLM.from_engine_args(
+            self._args, stat_loggers=[lambda cfg, _idx: _LoadRecorder(cfg, load)]
+        )
         tokenizer = self._llm.tokenizer
         if isinstance(tokenizer, TokenizersBackend):
             self._tokenizer = tokenizer.backend_tokenizer
@@ -223,24 +310,6 @@ class VllmBackend:
             raise BackendRequestError(
                 f"{type(cause).__name__}: {cause}" if cause else "generate failed"
             ) from exc
-
-    def _kv_transfer_config(self) -> KVTransferConfig | None:
-        config = self._config
-        if not config.migration:
-            return None
-        return KVTransferConfig(
-            kv_connector="ShoalConnector",
-            kv_role="kv_both",
-            kv_connector_module_path="shoal_engine.kv.connector",
-            kv_connector_extra_config={
-                "control_address": config.kv_agent_address,
-                "data_address": config.kv_data_bind,
-                "transport": config.kv_transport,
-                "staging_bytes": config.kv_staging_mib << 20,
-                # A transfer never outlasts the migration step it serves.
-                "timeout_s": config.migration_step_timeout_s,
-            },
-        )
 
     def load(self) -> BackendLoad:
         return self._load

@@ -38,6 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from supervisor.xmlrpc import SupervisorTransport
 
 from shoal_protos import curve
+from shoal_protos.addresses import host_port, http_url
 from shoal_protos.records import EngineState, Keys, engine_record_decoder
 
 
@@ -109,11 +110,11 @@ class FleetConfig:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://{self.host}:{self.redis_port}/0"
+        return f"redis://{host_port(self.host, self.redis_port)}/0"
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.router_port}"
+        return http_url(self.host, self.router_port)
 
     def engine_id(self, index: int) -> str:
         return f"engine-{index}"
@@ -315,7 +316,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 "--redis-url",
                 cfg.redis_url,
                 "--tokenizer",
-                f"{cfg.host}:{cfg.tokenizer_port}",
+                host_port(cfg.host, cfg.tokenizer_port),
                 "--host",
                 cfg.host,
                 "--port",
@@ -424,7 +425,7 @@ class Fleet:
             self._wait("redis", lambda: _redis_ping(client), deadline, "redis.log")
             self._wait(
                 "tokenizer",
-                lambda: _grpc_serving(f"{cfg.host}:{cfg.tokenizer_port}"),
+                lambda: _grpc_serving(host_port(cfg.host, cfg.tokenizer_port)),
                 deadline,
                 "tokenizer.log",
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from shoal_protos.addresses import tcp_url
 from shoal_router.core.scheduling import Scheduler
 
 
@@ -27,10 +28,17 @@ class RouterConfig(BaseModel):
     """Deadline of each Redis call: a poll that hangs fails and the next poll retries."""
 
     tokenizer_address: str = "127.0.0.1:50051"
-    """host:port of the gRPC tokenizer service."""
+    """host:port of the gRPC tokenizer service (an IPv6 host in brackets: ``[fd00::1]:50051``)."""
 
     host: str = "127.0.0.1"
-    """Address the HTTP and ZeroMQ sockets bind (and that engines are told to send to)."""
+    """Address engines are told to send outputs to (the ZeroMQ reply address of every request);
+    the HTTP and ZeroMQ sockets bind it too unless ``bind_host`` says otherwise. On Kubernetes
+    the pod's IP."""
+
+    bind_host: str | None = None
+    """Address the HTTP server and the ZeroMQ output socket bind; None: ``host``. ``::`` listens
+    on every IPv6 and IPv4 address (so that ``kubectl port-forward``, which connects to the pod's
+    loopback, reaches them), ``0.0.0.0`` on every IPv4 one."""
 
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port of the OpenAI API."""
@@ -130,6 +138,20 @@ class RouterConfig(BaseModel):
 
     admin_keys_file: str | None = None
     """Keys file guarding ``/metrics`` and the fleet page; None: open."""
+
+    @property
+    def listen_host(self) -> str:
+        """The address the listening sockets bind: ``bind_host``, else ``host``."""
+        return self.bind_host or self.host
+
+    @property
+    def reply_to(self) -> str:
+        """The output socket's address as engines reach it."""
+        return tcp_url(self.host, self.zmq_port)
+
+    @property
+    def zmq_bind(self) -> str:
+        return tcp_url(self.listen_host, self.zmq_port)
 
     @field_validator("scheduler")
     @classmethod

@@ -24,6 +24,7 @@ import zmq.asyncio
 from fastapi import FastAPI
 
 from shoal_protos import curve
+from shoal_protos.addresses import bare_host, stream_socket
 from shoal_protos.records import Keys, state_client
 from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.auth import KeyFile
@@ -59,7 +60,15 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--router-id", default="router-0")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--tokenizer", default="127.0.0.1:50051", help="host:port of the tokenizer service")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address engines are told to send outputs to (ZeroMQ)"
+    )
+    parser.add_argument(
+        "--bind-host",
+        default=None,
+        help="address the HTTP and ZeroMQ sockets bind (default: --host); "
+        ":: listens on every IPv6 and IPv4 address, 0.0.0.0 on every IPv4 one",
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--zmq-port", type=int, default=5700)
     parser.add_argument(
@@ -136,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         redis_url=args.redis_url,
         tokenizer_address=args.tokenizer,
         host=args.host,
+        bind_host=args.bind_host,
         port=args.port,
         zmq_port=args.zmq_port,
         api_keys_file=args.api_keys_file,
@@ -181,11 +191,12 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     engines = EngineClient(
         ctx,
-        f"tcp://{config.host}:{config.zmq_port}",
+        config.reply_to,
         config.engine_send_hwm,
         on_link=link_changed,
         metrics=metrics,
         curve_keys=curve_keys,
+        bind_to=config.zmq_bind,
     )
     redis_client = state_client(config.redis_url, config.redis_timeout_s)
 
@@ -337,22 +348,23 @@ _LISTEN_BACKLOG = 2048
 
 
 def listening_sockets(host: str, port: int, count: int = LISTEN_SOCKETS) -> list[socket.socket]:
-    """``count`` sockets listening on ``host:port`` together. The port is first bound alone, so
-    that one another process holds is refused (``OSError``) as it would be with one socket,
-    rather than shared with it; port 0 takes a free port, the same for all of them."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
+    """``count`` sockets listening on ``host:port`` together (``::``: IPv6 and IPv4 alike). The
+    port is first bound alone, so that one another process holds is refused (``OSError``) as it
+    would be with one socket, rather than shared with it; port 0 takes a free port, the same for
+    all of them."""
+    address = bare_host(host)
+    with stream_socket(host) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, port))
+        probe.bind((address, port))
         port = probe.getsockname()[1]
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock = stream_socket(host)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
+            sock.bind((address, port))
             sock.listen(_LISTEN_BACKLOG)
     except OSError:
         for sock in sockets:
@@ -361,19 +373,24 @@ def listening_sockets(host: str, port: int, count: int = LISTEN_SOCKETS) -> list
     return sockets
 
 
-async def serve(config: RouterConfig) -> None:
-    app = build_app(config)
-    _quiet_gc()
-    server = _Server(
+def http_server(config: RouterConfig) -> uvicorn.Server:
+    """The router's HTTP server over its app and clients (``build_app``: call it on the loop
+    that will serve), not yet serving; it serves on ``listening_sockets``."""
+    return _Server(
         uvicorn.Config(
-            with_server_send(app),
-            host=config.host,
+            with_server_send(build_app(config)),
+            host=config.listen_host,
             port=config.port,
             log_level="warning",
             timeout_graceful_shutdown=5,
         )
     )
-    await server.serve(sockets=listening_sockets(config.host, config.port))
+
+
+async def serve(config: RouterConfig) -> None:
+    server = http_server(config)
+    _quiet_gc()
+    await server.serve(sockets=listening_sockets(config.listen_host, config.port))
 
 
 def main(argv: list[str] | None = None) -> None:

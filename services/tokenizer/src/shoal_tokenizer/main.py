@@ -16,9 +16,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
+from shoal_protos.addresses import host_port
 from shoal_protos.grpc_errors import RefuseUndecodable
 from shoal_tokenizer.config import TokenizerConfig
-from shoal_tokenizer.service import TokenizerServicer, load_model
+from shoal_tokenizer.service import LoadedModel, TokenizerServicer, load_model
 
 logger = logging.getLogger("shoal.tokenizer")
 
@@ -34,7 +35,21 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         metavar="NAME=PATH",
         help="served model name and its tokenizer folder; repeat for several models",
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--revision",
+        default=None,
+        help="Hub revision (branch, tag or commit) of every --model PATH that names a Hub repository; "
+        "a gated model's token comes from the HF_TOKEN environment variable",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="this pod's address (binds it without --bind-host)"
+    )
+    parser.add_argument(
+        "--bind-host",
+        default=None,
+        help="address the gRPC server binds (default: --host); "
+        ":: (or 0.0.0.0, which gRPC takes alike) listens on every IPv6 and IPv4 address",
+    )
     parser.add_argument("--port", type=int, default=50051)
     args = parser.parse_args(argv)
     models: dict[str, Path] = {}
@@ -43,27 +58,37 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         if not sep or not name or not path:
             parser.error(f"--model expects NAME=PATH, got {item!r}")
         models[name] = Path(path)
-    return TokenizerConfig(models=models, host=args.host, port=args.port)
+    return TokenizerConfig(
+        models=models, revision=args.revision, host=args.host, bind_host=args.bind_host, port=args.port
+    )
 
 
-async def serve(config: TokenizerConfig) -> None:
-    models = {}
-    for name, path in config.models.items():
-        logger.info("loading tokenizer %s from %s", name, path)
-        models[name] = load_model(name, path)
-
+async def start_server(
+    config: TokenizerConfig, models: dict[str, LoadedModel]
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """The gRPC server bound to ``bind_host`` (``[::]:port`` is dual stack in gRPC), started,
+    its health SERVING."""
     server = grpc.aio.server(
         maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=[RefuseUndecodable()]
     )
     pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(models), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    server.add_insecure_port(host_port(config.listen_host, config.port))
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("tokenizer serving %s on %s", ", ".join(models), address)
+    return server, health_servicer
+
+
+async def serve(config: TokenizerConfig) -> None:
+    models = {}
+    for name, path in config.models.items():
+        logger.info("loading tokenizer %s from %s (revision %s)", name, path, config.revision or "default")
+        models[name] = load_model(name, path, config.revision)
+
+    server, health_servicer = await start_server(config, models)
+    logger.info("tokenizer serving %s on %s", ", ".join(models), host_port(config.listen_host, config.port))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -31,9 +31,12 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model(name: str, path: Path) -> LoadedModel:
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    config = AutoConfig.from_pretrained(path)
+def load_model(name: str, path: Path, revision: str | None = None) -> LoadedModel:
+    """The tokenizer and limits of ``path``, a folder or a Hub repository at ``revision``."""
+    # No ``token`` argument: huggingface_hub then reads HF_TOKEN from the environment itself,
+    # and the token never passes through this process's arguments or logs.
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    config = AutoConfig.from_pretrained(path, revision=revision)
     max_len = int(getattr(config, "max_position_embeddings", 0) or tokenizer.model_max_length)
     eos = getattr(config, "eos_token_id", None)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])

@@ -34,6 +34,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from shoal_protos import curve
+from shoal_protos.addresses import zmq_bind, zmq_connect
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -72,7 +73,7 @@ class RequestReceiver:
         self._socket = ctx.socket(zmq.PULL)
         if curve_keys is not None:
             curve.serve(self._socket, curve_keys)
-        self._socket.bind(address)
+        zmq_bind(self._socket, address)
         self._loop = loop
         self._on_request = on_request
         self._stopped = threading.Event()
@@ -177,7 +178,7 @@ class OutputSender:
                     if self._curve_keys is not None:
                         curve.connect_as_member(sock, self._curve_keys)
                     try:
-                        sock.connect(reply_to)
+                        zmq_connect(sock, reply_to)
                     except zmq.ZMQError as exc:
                         # The receiver refuses such addresses; never let one stop every output.
                         sock.close(linger=0)

@@ -50,6 +50,7 @@ from shoal_engine.kv.transport import (
     write_message,
 )
 from shoal_protos import kv
+from shoal_protos.addresses import zmq_bind
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +128,10 @@ class KvAgent:
         staging_ttl_s: float = 60.0,
         timeout_s: float = 10.0,
         staging_bytes: int = 1 << 30,
+        host: str | None = None,
     ) -> None:
+        """``host``: where other engines reach this agent, for the rendezvous of ``gloo`` and
+        ``nccl`` pairs; None: the data address's host (which a bind to ``::`` does not name)."""
         self.block_size = block_size
         self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
         shapes = {tuple(t.shape) for t in self._layers}
@@ -151,7 +155,7 @@ class KvAgent:
         # When each of the last forward passes ended (``time.monotonic``): a move reads the
         # source's pace from them, before it and while it ran.
         self._step_ends: deque[float] = deque(maxlen=kv.STEPS_KEPT)
-        self._host = host_of(data_address)
+        self._host = host or host_of(data_address)
         self._timeout_s = timeout_s
         self._transport: KvTransport = Transport(
             transport,
@@ -169,7 +173,7 @@ class KvAgent:
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
         self._control = self._ctx.socket(zmq.REP)
-        self._control.bind(control_address)
+        zmq_bind(self._control, control_address)
         self._server = listen(data_address)
         self._server.settimeout(0.2)
         self._peers: set[socket.socket] = set()

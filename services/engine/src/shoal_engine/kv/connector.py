@@ -216,6 +216,7 @@ class ShoalConnector(KVConnectorBase_V1):
             staging_ttl_s=float(self._extra.get("staging_ttl_s", 60.0)),
             timeout_s=float(self._extra.get("timeout_s", 10.0)),
             staging_bytes=int(self._extra.get("staging_bytes", 1 << 30)),
+            host=str(self._extra["host"]) if self._extra.get("host") else None,
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from shoal_protos import kv
+from shoal_protos.addresses import zmq_bind, zmq_connect
 
 if TYPE_CHECKING:
     from shoal_engine.sim_backend import SimulatedBackend
@@ -82,9 +83,9 @@ class SimKvAgent:
         self._bytes_per_s = bytes_per_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._control = self._ctx.socket(zmq.REP)
-        self._control.bind(control_address)
+        zmq_bind(self._control, control_address)
         self._data = self._ctx.socket(zmq.PULL)
-        self._data.bind(data_address)
+        zmq_bind(self._data, data_address)
         self._peers: dict[str, zmq.Socket[bytes]] = {}  # touched by the control thread only
         self._stop = threading.Event()
         self._threads = [
@@ -198,7 +199,7 @@ class SimKvAgent:
         if sock is None:
             sock = self._peers[address] = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(address)
+            zmq_connect(sock, address)
         return sock
 
     # ---- data ---------------------------------------------------------------------------------

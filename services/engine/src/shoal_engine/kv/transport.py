@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from shoal_protos import kv
+from shoal_protos.addresses import listen_tcp
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +109,11 @@ def listen(address: str) -> socket.socket:
             os.unlink(path)  # left by an agent that did not exit cleanly
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(path)
-    else:
-        parts = urlsplit(address)
-        server = socket.create_server((parts.hostname or "0.0.0.0", parts.port or 0), reuse_port=False)
-    server.listen(64)
-    return server
+        server.listen(64)
+        return server
+    # ``tcp://[::]:port`` listens on IPv6 and IPv4 alike.
+    parts = urlsplit(address)
+    return listen_tcp(parts.hostname or "0.0.0.0", parts.port or 0, backlog=64)
 
 
 def _dial(address: str, timeout_s: float) -> socket.socket:

@@ -197,7 +197,12 @@ def _usage(handle: GenerationHandle) -> dict[str, int]:
     }
 
 
+# The gate asks for a key on ``/v1/*`` and these alone: the probes (``/livez``, ``/readyz`` and
+# ``/health``) answer without one, since the kubelet sends none.
 _ADMIN_PATHS = frozenset({"/metrics", "/fleet", "/fleet/state"})
+# The paths that answer 503 while no engine can take requests (``/health`` is ``/readyz`` under
+# the name it had first).
+_READINESS_PATHS = frozenset({"/health", "/readyz"})
 
 _ERROR_SCHEMA: dict[str, Any] = {
     "title": "Error",
@@ -290,7 +295,7 @@ def _openapi_document(app: FastAPI, keys_on: bool) -> dict[str, Any]:
                 statuses = (401,)
             else:
                 statuses = ()
-            if path == "/health":
+            if path in _READINESS_PATHS:
                 responses["503"] = {
                     "description": "No engine can take requests (same body as 200)",
                     "content": responses["200"]["content"],
@@ -536,8 +541,7 @@ def create_app(
 
     app.add_middleware(_Gate, api_keys=api_keys, admin_keys=admin_keys, metrics=metrics)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    def ready_state() -> JSONResponse:
         engines = generation.fleet.engines
         body = {
             "status": "ok",
@@ -552,6 +556,24 @@ def create_app(
         if not ready:
             body["status"] = "unavailable"
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    # What ``/readyz`` answers, under its first name; launchers and older manifests probe it.
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return ready_state()
+
+    @app.get("/livez")
+    async def liveness() -> JSONResponse:
+        """200 while the router process runs: the handler runs on the event loop, so an answer
+        shows that the loop turns. It does not look at the engines: a router with none to send
+        to is still alive, and restarting it would not bring one."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readiness() -> JSONResponse:
+        """200 while some engine can take requests, even if Redis is down; 503, with the same
+        body, while none can (during a cold start of the engines, for one)."""
+        return ready_state()
 
     @app.get("/fleet", include_in_schema=False)
     async def fleet_page() -> HTMLResponse:

@@ -41,6 +41,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shoal_protos import curve
+from shoal_protos.addresses import zmq_bind, zmq_connect
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -96,7 +97,10 @@ class EngineClient:
         on_link: Callable[[str, bool], None],
         metrics: RouterMetrics | None = None,
         curve_keys: curve.CurveKeys | None = None,
+        bind_to: str | None = None,
     ) -> None:
+        """``reply_to``: the output socket's address as engines reach it (sent with every
+        request); ``bind_to``: the address it binds, None: ``reply_to``."""
         self.reply_to = reply_to
         self._curve_keys = curve_keys
         self._metrics = metrics
@@ -118,7 +122,7 @@ class EngineClient:
         self._pull: zmq.Socket[bytes] = self._push_ctx.socket(zmq.PULL)
         if curve_keys is not None:
             curve.serve(self._pull, curve_keys)
-        self._pull.bind(reply_to)
+        zmq_bind(self._pull, bind_to or reply_to)
 
     @property
     def num_requests(self) -> int:
@@ -152,7 +156,7 @@ class EngineClient:
         sock.monitor(monitor_address, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         monitor = self._ctx.socket(zmq.PAIR)
         monitor.connect(monitor_address)
-        sock.connect(address)
+        zmq_connect(sock, address)
         self._sockets[engine_id] = sock
         self._monitors[engine_id] = asyncio.create_task(
             self._watch_link(engine_id, monitor), name=f"link-{engine_id}"
