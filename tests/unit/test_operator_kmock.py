@@ -10,6 +10,7 @@ garbage-collects owned objects unless a test does it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import threading
 import time
@@ -444,8 +445,8 @@ async def test_image_change_rolls_engines_through_the_deployment_surge(
 # ---- the kopf handlers, running --------------------------------------------------------------
 
 
-@pytest.fixture
-async def operator(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[None]:
+@contextlib.asynccontextmanager
+async def _running_operator(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[None]:
     """The operator in its own thread and event loop, as ``kopf run`` would run it (kopf stops
     every task its loop started after it, so it cannot share the test's loop)."""
     registry = kopf.OperatorRegistry()
@@ -456,11 +457,19 @@ async def operator(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[None]:
     run = kopf.operator(registry=registry, namespaces=[NS], standalone=True, stop_flag=stop, ready_flag=ready)
     thread = threading.Thread(target=asyncio.run, args=(run,), name="kopf", daemon=True)
     thread.start()
-    assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
-    yield
-    stop.set()
-    await asyncio.to_thread(thread.join, 20)
+    try:
+        assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
+        yield
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 20)
     assert not thread.is_alive(), "the operator did not stop"
+
+
+@pytest.fixture
+async def operator(api: kmock_lib.KubernetesEmulator) -> AsyncIterator[None]:
+    async with _running_operator(api):
+        yield
 
 
 async def _post(api: kmock_lib.KubernetesEmulator, url: str, body: dict[str, Any]) -> None:
@@ -515,20 +524,11 @@ async def test_a_finalizer_an_older_operator_left_is_taken_off(api: kmock_lib.Ku
     legacy = _cluster()
     legacy["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
     api.objects[CLUSTERS, NS, NAME] = legacy
-    registry = kopf.OperatorRegistry()
-    register(registry, login=lambda: _info(api), resync_s=3600, scan_cluster=False, namespaces=[NS])
-    stop, ready = threading.Event(), threading.Event()
-    run = kopf.operator(registry=registry, namespaces=[NS], standalone=True, stop_flag=stop, ready_flag=ready)
-    thread = threading.Thread(target=asyncio.run, args=(run,), name="kopf", daemon=True)
-    thread.start()
-    try:
+    async with _running_operator(api):
         await _eventually(
             lambda: not api.objects[CLUSTERS, NS, NAME].get("metadata", {}).get("finalizers"),
             "kopf's old finalizer is off the cluster",
         )
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 20)
 
 
 @pytest.mark.usefixtures("operator")
