@@ -17,6 +17,7 @@ from shoal_protos.addresses import (
     is_ipv6,
     is_loopback,
     listen_tcp,
+    resolve_bind_host,
     same_ip,
     split_host_port,
     tcp_url,
@@ -137,3 +138,13 @@ def test_zeromq_bound_to_ipv4_any_address_takes_ipv4() -> None:
         pull.close(linger=0)
     finally:
         ctx.term()
+
+
+def test_the_bind_host_falls_back_to_ipv4_where_the_kernel_has_no_ipv6() -> None:
+    assert resolve_bind_host(None, "10.0.0.5") == "10.0.0.5"
+    assert resolve_bind_host("::", "10.0.0.5", ipv6=True) == "::"
+    assert resolve_bind_host("[::]", "10.0.0.5", ipv6=False) == "0.0.0.0"
+    # Only the any-address falls back: a named IPv6 address fails loudly where it cannot bind.
+    assert resolve_bind_host("fd00::5", "10.0.0.5", ipv6=False) == "fd00::5"
+    # This machine, asked: it binds ``::`` wherever an IPv6 socket can be made.
+    assert resolve_bind_host("::", "10.0.0.5") == ("0.0.0.0" if NO_IPV6 else "::")

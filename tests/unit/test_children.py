@@ -319,3 +319,44 @@ def test_a_block_size_in_the_spec_reaches_the_engines(gpus: int, size: int) -> N
     deployment = one(children.render(cluster), "Deployment", "engine")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["args"][container["args"].index("--block-size") + 1] == str(size)
+
+
+def _with(sample: str, **spec: Any) -> children.Cluster:
+    cluster = cluster_of(ROOT / "operator" / "samples" / sample)
+    merged = {**cluster.spec.model_dump(by_alias=True, exclude_none=True), **spec}
+    return children.Cluster(cluster.name, cluster.namespace, UID, InferenceClusterSpec.model_validate(merged))
+
+
+def test_the_service_monitor_takes_its_labels_interval_and_bearer_token_from_the_spec() -> None:
+    plain = one(children.render(_with("minimal.yaml"), service_monitors=True), "ServiceMonitor", "metrics")
+    (endpoint,) = plain["spec"]["endpoints"]
+    assert endpoint == {"port": "http", "path": "/metrics", "interval": "15s"}
+    monitor_spec = {
+        "labels": {"release": "kube-prometheus-stack", "app.kubernetes.io/instance": "not-ours"},
+        "interval": "30s",
+        "bearerTokenSecret": {"name": "metrics-reader", "key": "admin-key"},
+    }
+    cluster = _with("minimal.yaml", monitoring={"serviceMonitor": monitor_spec})
+    monitor = one(children.render(cluster, service_monitors=True), "ServiceMonitor", "metrics")
+    labels = monitor["metadata"]["labels"]
+    # kube-prometheus-stack's Prometheus selects monitors by ``release``; Shoal's own labels
+    # (which prune and select by) win over the spec's.
+    assert labels["release"] == "kube-prometheus-stack"
+    assert labels["app.kubernetes.io/instance"] == cluster.name
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["interval"] == "30s"
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "metrics-reader", "key": "admin-key"},
+    }
+
+
+@pytest.mark.parametrize("component", ["engine", "router", "tokenizer"])
+def test_every_fleet_container_binds_all_addresses_and_advertises_its_pod_ip(component: str) -> None:
+    rendered = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
+    (container,) = one(rendered, "Deployment", component)["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    # ``kubectl port-forward`` connects to the pod's loopback: a socket on the pod IP alone
+    # would refuse it.
+    assert args[args.index("--bind-host") + 1] == "::"
+    assert args[args.index("--host") + 1] == "$(POD_IP)"

@@ -2,8 +2,9 @@
 run on these machines): the reconciler through its real HTTP client, and the kopf handlers
 running in-process with kopf's real watch streams.
 
-kmock stores objects and serves list, watch, get, create, merge-patch and delete; it does not
-run Kubernetes' controllers, so nothing fills a Deployment's status, makes pods or
+kmock stores objects and serves list, watch, get, create, merge-patch and delete; server-side
+apply is added by ``ssa.ApplyingEmulator`` (the fields one manager applied and later leaves out
+are removed). It does not run Kubernetes' controllers, so nothing fills a Deployment's status, makes pods or
 garbage-collects owned objects unless a test does it.
 """
 
@@ -17,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
 
+import aiohttp
 import kmock as kmock_lib
 import kopf
 import pytest
@@ -27,6 +29,10 @@ from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import Reconciler
 from shoal_operator.scale import DELETION_COST_ANNOTATION, EngineLoad, Leaving
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
+
+from tests.unit.ssa import ApplyingEmulator
+
+pytestmark = pytest.mark.kmock(cls=ApplyingEmulator)
 
 NS, NAME, UID = "serving", "smol", "7d0c6a52-0b5e-4b1b-9a57-4c0e1f7b2c11"
 CLUSTERS = f"{GROUP}/{VERSION}/{PLURAL}"
@@ -617,3 +623,51 @@ async def test_quantities_the_api_server_rewrites_cost_no_write(
     # A real change of quantity is still seen.
     _spec_patch(api, {"engine": {"resources": {"cpu": "1", "memory": "2048Mi"}}}, 2)
     assert (await reconciler.reconcile(NS, NAME)).patched == ["Deployment/smol-engine"]
+
+
+async def _patch_as(api: kmock_lib.KubernetesEmulator, url: str, body: dict[str, Any], manager: str) -> None:
+    """A merge patch from another writer (``kubectl edit``, a controller), over HTTP."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.patch(
+            f"{str(api.url).rstrip('/')}{url}?fieldManager={manager}",
+            json=body,
+            headers={"Content-Type": "application/merge-patch+json"},
+        ) as response,
+    ):
+        assert response.status == 200, await response.text()
+
+
+async def test_what_the_spec_no_longer_asks_for_leaves_the_children_and_others_fields_stay(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    pod = {
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "annotations": {"team": "search"},
+    }
+    api.objects[CLUSTERS, NS, NAME] = _cluster(
+        pod=pod, env=[{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]
+    )
+    await reconciler.reconcile(NS, NAME)
+    template = _children(api)["Deployment/smol-engine"]["spec"]["template"]
+    assert template["spec"]["nodeSelector"] == {"pool": "gpu"} and template["metadata"]["annotations"]
+    # Someone else annotates the Deployment (as ``kubectl annotate`` or a controller would).
+    engines = f"/apis/apps/v1/namespaces/{NS}/deployments/smol-engine"
+    await _patch_as(api, engines, {"metadata": {"annotations": {"owner": "platform"}}}, "kubectl-annotate")
+    assert (await reconciler.reconcile(NS, NAME)).writes == 0  # someone else's field is no drift
+    _spec_patch(api, {"engine": {"pod": None, "env": None}}, 2)
+    outcome = await reconciler.reconcile(NS, NAME)
+    assert outcome.patched == ["Deployment/smol-engine"]
+    deployment = _children(api)["Deployment/smol-engine"]
+    template = deployment["spec"]["template"]
+    # A merge patch of the rendered Deployment would have left all three in place.
+    assert "nodeSelector" not in template["spec"] and "tolerations" not in template["spec"]
+    assert "team" not in (template["metadata"].get("annotations") or {})
+    (container,) = template["spec"]["containers"]
+    assert "VLLM_LOGGING_LEVEL" not in {e["name"] for e in container["env"]}
+    assert {"POD_NAME", "REDIS_URL", "HF_HOME"} <= {e["name"] for e in container["env"]}
+    assert deployment["metadata"]["annotations"]["owner"] == "platform"
+    # And the next reconcile finds no child to write.
+    again = await reconciler.reconcile(NS, NAME)
+    assert again.created == again.patched == again.deleted == []

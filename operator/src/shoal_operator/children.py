@@ -49,6 +49,10 @@ ROUTER_HTTP_PORT = 8000
 ROUTER_ZMQ_PORT = 5700
 TOKENIZER_PORT = 50051
 REDIS_PORT = 6379
+ANY_ADDRESS = "::"
+"""What every fleet container binds: all of the pod's addresses, IPv6 and IPv4 (IPv4 alone on a
+node without IPv6), so ``kubectl port-forward``, which connects to the pod's loopback, reaches
+it. Each still tells its peers its pod IP (``--host``)."""
 # After the drain deadline: time for the engine to report, deregister and exit.
 EXIT_GRACE_S = 30
 
@@ -355,6 +359,7 @@ def _engine_args(cluster: Cluster) -> list[str]:
         "--cluster", cluster.cluster_id,
         "--redis-url", "$(REDIS_URL)",
         "--host", "$(POD_IP)",
+        "--bind-host", ANY_ADDRESS,
         "--zmq-port", str(ENGINE_ZMQ_PORT),
         "--http-port", str(ENGINE_HTTP_PORT),
         "--dtype", spec.model.dtype,
@@ -469,6 +474,7 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "--redis-url", "$(REDIS_URL)",
         "--tokenizer", f"{cluster.name}-tokenizer:{TOKENIZER_PORT}",
         "--host", "$(POD_IP)",
+        "--bind-host", ANY_ADDRESS,
         "--port", str(ROUTER_HTTP_PORT),
         "--zmq-port", str(ROUTER_ZMQ_PORT),
         "--scheduler", router.scheduler,
@@ -509,6 +515,7 @@ def tokenizer_deployment(cluster: Cluster) -> Manifest:
     args = [
         "--model", f"{model.served_name}={model_path(model)}",
         "--host", "$(POD_IP)",
+        "--bind-host", ANY_ADDRESS,
         "--port", str(TOKENIZER_PORT),
     ]  # fmt: skip
     if model.revision is not None:
@@ -687,11 +694,21 @@ def network_policy(
 
 
 def service_monitor(cluster: Cluster) -> Manifest:
-    endpoints = [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    """Scrapes of the routers' and the engines' ``/metrics`` (both Services name the port
+    ``http``), with the spec's labels (how a Prometheus picks its monitors) and, when admin keys
+    guard the routers' ``/metrics``, one of them as a bearer token (engines ignore it)."""
+    monitor = cluster.spec.monitoring.service_monitor
+    endpoint: Manifest = {"port": "http", "path": "/metrics", "interval": monitor.interval}
+    if monitor.bearer_token_secret is not None:
+        ref = {"name": monitor.bearer_token_secret.name, "key": monitor.bearer_token_secret.key}
+        endpoint["authorization"] = {"type": "Bearer", "credentials": ref}
+    meta = _meta(cluster, cluster.name, "metrics")
+    meta["labels"] = {**monitor.labels, **meta["labels"]}
+    endpoints = [endpoint]
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _meta(cluster, cluster.name, "metrics"),
+        "metadata": meta,
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/instance": cluster.name}},
             "namespaceSelector": {"matchNames": [cluster.namespace]},

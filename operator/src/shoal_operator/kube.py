@@ -1,5 +1,5 @@
-"""A small async Kubernetes API client for the reconciler: get, list, create, merge-patch,
-discovery.
+"""A small async Kubernetes API client for the reconciler: get, list, create, server-side
+apply, merge-patch, delete, discovery.
 
 It logs in the way kopf does (the same ``kopf.ConnectionInfo``: a service account in a pod, a
 kubeconfig elsewhere), so the operator has one set of credentials for watching and for writing.
@@ -21,6 +21,10 @@ from shoal_operator.reconcile import ApiError
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 Manifest = dict[str, Any]
+
+FIELD_MANAGER = "shoal-operator"
+"""The operator's name in the objects' ``managedFields``: one manager for every child."""
+APPLY_PATCH = "application/apply-patch+yaml"
 
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ConfigMap"): "configmaps",
@@ -103,7 +107,20 @@ class Kube:
     async def create(self, manifest: Manifest) -> Manifest:
         meta = manifest["metadata"]
         url_path = path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
-        result: Manifest = await self._call("POST", url_path, manifest)
+        query = urlencode({"fieldManager": FIELD_MANAGER})
+        result: Manifest = await self._call("POST", f"{url_path}?{query}", manifest)
+        return result
+
+    async def apply(self, manifest: Manifest) -> Manifest:
+        """Server-side apply of ``manifest`` as the operator's field manager: the object is
+        created if absent; fields the operator applied before and ``manifest`` leaves out are
+        removed (unless another manager set them too); ``force`` takes over fields someone else
+        changed, since the spec is what the cluster should be."""
+        meta = manifest["metadata"]
+        url_path = path(manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"])
+        query = urlencode({"fieldManager": FIELD_MANAGER, "force": "true"})
+        # JSON is YAML: the apply content type takes it as it is.
+        result: Manifest = await self._call("PATCH", f"{url_path}?{query}", manifest, APPLY_PATCH)
         return result
 
     async def patch(

@@ -5,9 +5,13 @@ creates what is missing, patches what drifted (a child someone edited, a spec th
 writes the status only when it changed. A call that finds everything in place makes no write at
 all, so it can run on every event and on a timer.
 
-A child has drifted when some field the operator sets differs from the live object. Fields the
-API server or other controllers add (defaults, ``clusterIP``, status) are not the operator's and
-are left alone. Patches are JSON merge patches of the whole rendered child.
+Children are written by server-side apply, with one field manager (``kube.FIELD_MANAGER``): the
+API server then removes a field the operator set before and no longer renders (a toleration
+taken out of the spec, a PodDisruptionBudget's other limit), and leaves alone the fields other
+managers set (defaults, ``clusterIP``, a controller's annotations, status). A child is applied
+when it has drifted: some field the operator sets differs from the live object, or the hash of
+the rendered child the operator stamps on it (``APPLIED_ANNOTATION``) is not the one it last
+applied, which is how a field taken out is noticed.
 
 A spec that does not parse (one the API server's schema let through, or written before a schema
 change) sets ``Ready=False`` with reason ``InvalidSpec`` and leaves every child as it is.
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import json
 import logging
 import re
 import secrets
@@ -56,6 +62,8 @@ class Api(Protocol):
     ) -> list[Manifest]: ...
 
     async def create(self, manifest: Manifest) -> Manifest: ...
+
+    async def apply(self, manifest: Manifest) -> Manifest: ...
 
     async def patch(
         self, api_version: str, kind: str, namespace: str, name: str, body: Manifest, subresource: str = ""
@@ -156,6 +164,20 @@ def _with_generated_keys(manifest: Manifest) -> Manifest:
     return {**manifest, "data": data}
 
 
+APPLIED_ANNOTATION = "shoal.dev/applied"
+"""On every child: a hash of the child as the operator last applied it. A field the spec no
+longer asks for is absent from the rendered child, so comparing fields alone would never see
+it go; the hash changes."""
+
+
+def stamped(manifest: Manifest) -> Manifest:
+    """``manifest`` with ``APPLIED_ANNOTATION`` set to its hash."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode())
+    meta = manifest["metadata"]
+    annotations = {**(meta.get("annotations") or {}), APPLIED_ANNOTATION: digest.hexdigest()[:16]}
+    return {**manifest, "metadata": {**meta, "annotations": annotations}}
+
+
 def _owned_fields(manifest: Manifest) -> Manifest:
     """The parts of a rendered child the operator owns: labels, owners and everything but status."""
     meta = manifest["metadata"]
@@ -167,10 +189,6 @@ def _owned_fields(manifest: Manifest) -> Manifest:
     fields["metadata"] = {
         key: meta[key] for key in ("labels", "annotations", "ownerReferences") if key in meta
     }
-    if manifest["kind"] == "PodDisruptionBudget":
-        # A budget holds one of the two limits (the API server refuses both): the one not
-        # rendered is removed (null, in a merge patch), so a change of limit stays valid.
-        fields["spec"] = {"minAvailable": None, "maxUnavailable": None, **fields["spec"]}
     return fields
 
 
@@ -346,23 +364,42 @@ class Reconciler:
 
     async def _apply(self, desired: Manifest, outcome: Outcome, live: Manifest | None) -> Manifest:
         """Bring the child ``desired`` describes to it, given it as read (``live``, None: absent)."""
-        api_version, kind, meta = desired["apiVersion"], desired["kind"], desired["metadata"]
-        if live is None:
+        desired = stamped(desired)
+        if live is None and _with_generated_keys(desired) is not desired:
+            # A Secret whose values the operator generates: created with them once, by a create
+            # (its values are then no applied field, and no later apply removes them).
             try:
                 created = await self._api.create(_with_generated_keys(desired))
             except ApiError as exc:
-                if exc.status != 409:  # 409: another writer created it just now; patch it below
+                if exc.status != 409:  # 409: another writer created it just now
                     raise
+                live = await self._get(desired) or {}
             else:
                 outcome.created.append(_ref(desired))
                 return created
-            live = await self._get(desired) or {}
-        if not drifted(_owned_fields(desired), live):
+        if live is not None and not drifted(_owned_fields(desired), live):
             return live
-        outcome.patched.append(_ref(desired))
-        return await self._api.patch(
-            api_version, kind, meta["namespace"], meta["name"], _owned_fields(desired)
-        )
+        if live is not None:
+            await self._drop_other_limit(desired, live)
+        applied = await self._api.apply(desired)
+        (outcome.created if live is None else outcome.patched).append(_ref(desired))
+        return applied
+
+    async def _drop_other_limit(self, desired: Manifest, live: Manifest) -> None:
+        """Remove a PodDisruptionBudget's limit the rendering no longer holds when the operator
+        does not own it (a budget written by an operator from before server-side apply): the
+        apply would leave it, and the API server refuses a budget with both limits."""
+        if desired["kind"] != "PodDisruptionBudget":
+            return
+        spec = live.get("spec") or {}
+        stale = {
+            k: None for k in ("minAvailable", "maxUnavailable") if k in spec and k not in desired["spec"]
+        }
+        if stale:
+            meta = desired["metadata"]
+            await self._api.patch(
+                desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"], {"spec": stale}
+            )
 
     async def _write_status(self, namespace: str, name: str, previous: Manifest, wanted: Manifest) -> bool:
         if not drifted(wanted, previous):

@@ -7,6 +7,9 @@ server is asked: what the output depends on beyond the spec is given as options 
 Prometheus operator's ServiceMonitor CRD exists; the cluster's uid, which owner references
 name).
 
+The output leaves out the hash the operator stamps on each child it applies
+(``reconcile.APPLIED_ANNOTATION``), which names the live cluster's uid.
+
 The engine Deployment shows the spec's replicas. During a scale-down the operator first drains
 the engines that leave and writes the lower count only then, so a live cluster may briefly hold
 more engines than the output says.

@@ -22,6 +22,32 @@ import zmq
 
 ANY_IPV6 = "::"
 """Bind host of a dual-stack listener: every address, IPv6 and IPv4."""
+ANY_IPV4 = "0.0.0.0"
+
+
+def _ipv6_sockets() -> bool:
+    """Whether this kernel makes IPv6 sockets (not where booted with ``ipv6.disable=1``)."""
+    if not socket.has_ipv6:
+        return False
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
+    except OSError:
+        return False
+    return True
+
+
+def resolve_bind_host(bind_host: str | None, host: str, ipv6: bool | None = None) -> str:
+    """The address a service's listeners bind: ``bind_host``, else ``host``. ``::`` (what the
+    operator passes, so every pod takes ``kubectl port-forward`` on IPv4 and IPv6 clusters alike)
+    becomes ``0.0.0.0`` where the kernel makes no IPv6 sockets (``ipv6``: whether it does; None:
+    ask it), since binding ``::`` would fail there."""
+    if not bind_host:
+        return host
+    if ipv6 is None:
+        ipv6 = _ipv6_sockets()
+    if bare_host(bind_host) == ANY_IPV6 and not ipv6:
+        return ANY_IPV4
+    return bind_host
 
 
 def bare_host(host: str) -> str:

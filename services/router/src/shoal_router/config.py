@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shoal_protos.addresses import tcp_url
+from shoal_protos.addresses import resolve_bind_host, tcp_url
 from shoal_router.core.scheduling import Scheduler
 
 
@@ -142,7 +142,7 @@ class RouterConfig(BaseModel):
     @property
     def listen_host(self) -> str:
         """The address the listening sockets bind: ``bind_host``, else ``host``."""
-        return self.bind_host or self.host
+        return resolve_bind_host(self.bind_host, self.host)
 
     @property
     def reply_to(self) -> str:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shoal_protos.addresses import resolve_bind_host
+
 
 class TokenizerConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -36,4 +38,4 @@ class TokenizerConfig(BaseModel):
     @property
     def listen_host(self) -> str:
         """The address the gRPC server binds: ``bind_host``, else ``host``."""
-        return self.bind_host or self.host
+        return resolve_bind_host(self.bind_host, self.host)
