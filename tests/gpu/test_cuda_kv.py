@@ -8,14 +8,13 @@ so this module hands real ``KvAgent`` pairs KV caches built as vLLM's GPU worker
 layout) and checks, block by block, that the bytes staged on the target and then injected into
 its blocks are the source's bytes, and that nothing else of the target's cache changed.
 
-Two layouts matter (vLLM's ``KVCacheLayout``): LBHNC, which vLLM's CPU backend asks for (and a
-GPU engine gets with ``VLLM_KV_CACHE_LAYOUT=LBHNC``), and LBNHC, which FlashAttention, the CUDA
-default, gets otherwise: neither it nor Shoal's connector asks for a layout.
+Two layouts matter (vLLM's ``KVCacheLayout``): LBHNC, which Shoal's connector asks vLLM for and
+vLLM's CPU backend and FlashAttention both take, and LBNHC, which FlashAttention, the CUDA
+default, would get otherwise, and which the agent refuses when it starts.
 
 Every test takes its device as a parameter: the ``cpu`` variants run the same bodies on host
 memory (over ``tcp`` and ``gloo``), also on machines without a GPU when ``SHOAL_GPU_CHECK_CPU=1``
-(see ``conftest.py``). A strict xfail pins a known gap of the KV code on GPUs and says which; it
-fails the run once the gap is closed, so that the test is then run in full.
+(see ``conftest.py``).
 """
 
 from __future__ import annotations
@@ -57,24 +56,6 @@ TIMEOUT_S = 60.0
 # The physical order of the logical axes [L(ayer), B(lock), H(ead), N (token), C(ontent)]:
 # the values of vLLM's ``KVCacheLayout`` members of these names.
 LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4)}
-
-LBNHC_REFUSED = pytest.mark.xfail(
-    raises=ValueError,
-    strict=True,
-    reason="vLLM 0.32 gives FlashAttention (the CUDA default) an LBNHC KV cache: each block is one "
-    "dense page, but the per-layer view has heads and tokens swapped, and KvAgent (_blocks_first) "
-    "wants a contiguous per-layer tensor, so it refuses the cache when it starts",
-)
-GLOO_ON_CUDA = pytest.mark.xfail(
-    strict=True,
-    reason="check_backend lets gloo through for a CUDA KV cache, but ProcessGroupGloo's send and recv "
-    "hand the tensor's device pointer to gloo's TCP transport: the first migration fails, not the start",
-)
-READ_ON_CUDA = pytest.mark.xfail(
-    strict=True,
-    reason="ReadBlocks (and ReadStaged) build their reply with .numpy(), which a CUDA tensor refuses: "
-    "the agent answers AgentError",
-)
 
 
 @dataclass
@@ -270,27 +251,39 @@ def test_the_layouts_here_are_vllms(device: str, layout: str) -> None:
         assert tensor.device == mine.device
 
 
-def test_flash_attention_gets_lbnhc_unless_an_engine_asks_otherwise() -> None:
-    """Why LBNHC is tested: FlashAttention declares no layout, nor does Shoal's connector, so the
-    engine core resolves vLLM's default preference, LBNHC first (``VLLM_KV_CACHE_LAYOUT`` aside)."""
+def test_the_connector_asks_flash_attention_for_the_layout_the_agent_moves() -> None:
+    """FlashAttention, the CUDA default, declares no layout: left to vLLM's default preference it
+    gets LBNHC (``VLLM_KV_CACHE_LAYOUT`` aside), which the agent refuses (next test). Shoal's
+    connector asks for LBHNC, which FlashAttention takes, as vLLM's CPU backend does."""
     _vllm_0_32()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
 
     from shoal_engine.kv.connector import ShoalConnector
 
-    assert ShoalConnector.get_required_kvcache_layout(None) is None  # type: ignore[arg-type]
-    assert FlashAttentionBackend.supported_kv_cache_layouts() is None
     assert get_supported_kv_cache_layouts([FlashAttentionBackend])[0].name == "LBNHC"
+    asked = ShoalConnector.get_required_kvcache_layout(None)  # type: ignore[arg-type]
+    assert asked == "LBHNC"
+    for backend in (FlashAttentionBackend, CPUAttentionBackend):
+        assert asked in {layout.name for layout in get_supported_kv_cache_layouts([backend])}, backend
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", pytest.param("LBNHC", marks=LBNHC_REFUSED)])
+def test_an_lbnhc_kv_cache_is_refused_when_the_agent_starts(
+    device: str, start: Callable[..., Started]
+) -> None:
+    """Where a backend cannot take LBHNC (vLLM then warns and uses its own first choice), the
+    engine fails at start with the reason, never at its first migration."""
+    with pytest.raises(ValueError, match="not contiguous"):
+        start(vllm_kv_cache("LBNHC", on(device), seed=1), "a", transport_for(device))
+
+
 def test_the_agent_works_on_the_kv_cache_in_place(
-    device: str, layout: str, start: Callable[..., Started], call: Callable[..., kv.AgentReply]
+    device: str, start: Callable[..., Started], call: Callable[..., kv.AgentReply]
 ) -> None:
     """The agent's per-layer block views are vLLM's pages themselves, never a copy: what it sends
     is what the model wrote, and what it injects is what the model reads."""
-    kv_cache = vllm_kv_cache(layout, on(device), seed=1)
+    kv_cache = vllm_kv_cache("LBHNC", on(device), seed=1)
     started = start(kv_cache, "a", transport_for(device))
     status = call(started.control, kv.AgentStatus())
     assert isinstance(status, kv.Status), status
@@ -310,7 +303,6 @@ def test_tcp_is_refused_for_a_gpu_kv_cache(cuda_device: torch.device, start: Cal
         start(vllm_kv_cache("LBHNC", cuda_device, seed=1), "a", "tcp")
 
 
-@GLOO_ON_CUDA
 def test_gloo_is_refused_for_a_gpu_kv_cache() -> None:
     # Asked of the check itself, which needs no GPU: with a CUDA KV cache the agent would start,
     # and its first send would hand gloo device memory.
@@ -339,7 +331,7 @@ def test_the_staging_arena_lives_on_the_kv_caches_device(device: str) -> None:
     assert arena.take(6) == 0
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=READ_ON_CUDA), "cpu"])
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_read_blocks_answers_with_the_pages_bytes(
     device: str, start: Callable[..., Started], call: Callable[..., kv.AgentReply]
 ) -> None:
@@ -372,9 +364,6 @@ def _transfers() -> Iterator[Any]:
             yield pytest.param(
                 device, transport, "LBHNC", staging, id=f"{device}-{transport}-LBHNC-{staging}"
             )
-        yield pytest.param(
-            device, transport, "LBNHC", "arena", marks=LBNHC_REFUSED, id=f"{device}-{transport}-LBNHC-arena"
-        )
 
 
 def assert_staged(

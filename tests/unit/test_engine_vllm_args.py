@@ -288,3 +288,22 @@ def test_a_refused_flag_stops_the_engine_before_anything_loads(capsys: pytest.Ca
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "shoal-engine: error: --vllm-args: unrecognized arguments: --no-such-flag" in err
+
+
+def test_a_gpu_engine_takes_its_staging_and_pairs_out_of_vllms_budget(backend: ModuleType) -> None:
+    """Allocated after vLLM's memory profile, the staging arena and the NCCL pair groups would
+    sit on top of what ``gpu_memory_utilization`` gives vLLM: their share comes off it."""
+    gib = 1 << 30
+    config = full_config(kv_staging_mib=1024, kv_max_pairs=4)  # 0.8 asked
+    reserve = gib + 4 * backend.NCCL_PAIR_RESERVE
+    assert backend.migration_budget(config, 80 * gib) == pytest.approx(0.8 - reserve / (80 * gib), abs=1e-4)
+    # Unset, vLLM's own default is what the share comes off.
+    unset = full_config(gpu_memory_utilization=None)
+    from vllm.config import CacheConfig
+
+    assert CacheConfig().gpu_memory_utilization == backend.VLLM_GPU_MEMORY_UTILIZATION
+    expected = backend.VLLM_GPU_MEMORY_UTILIZATION - reserve / (24 * gib)
+    assert backend.migration_budget(unset, 24 * gib) == pytest.approx(expected, abs=1e-4)
+    # A device the reserve would all but fill is refused at start, with the numbers.
+    with pytest.raises(VllmArgsError, match="--kv-staging-mib 1024"):
+        backend.migration_budget(config, gib)

@@ -17,7 +17,8 @@ import torch
 import zmq
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
-from shoal_engine.kv.transport import Transport, runs, write_message
+from shoal_engine.kv.connector import ShoalConnector
+from shoal_engine.kv.transport import Transport, TransportError, check_backend, runs, write_message
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
@@ -415,3 +416,52 @@ def test_a_paced_send_stops_at_its_time_limit_and_the_next_goes_on(any_pair: Pai
     rest = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], first.next_block))
     assert isinstance(rest, kv.SentBlocks) and (rest.next_block, rest.blocks) == (6, 6 - first.blocks)
     _same_blocks(pair, 6)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "gloo"])
+def test_host_transports_are_refused_for_a_gpu_kv_cache_at_start(backend: str) -> None:
+    # Asked of the check alone, which needs no GPU: gloo would start, then hand its TCP transport
+    # device memory at the first migration.
+    with pytest.raises(ValueError, match="host memory"):
+        check_backend(backend, torch.device("cuda", 0))
+    check_backend(backend, torch.device("cpu"))
+
+
+def test_the_connector_asks_vllm_for_the_layout_the_agent_moves() -> None:
+    # Blocks-first per layer, each block one dense page (the agent refuses anything else); on
+    # CUDA, FlashAttention would otherwise get LBNHC (tests/gpu checks it takes LBHNC).
+    assert ShoalConnector.get_required_kvcache_layout(None) == "LBHNC"  # type: ignore[arg-type]
+
+
+def _agent(tmp_path: Path, name: str, max_pairs: int) -> tuple[KvAgent, str]:
+    data = f"ipc://{tmp_path}/{name}-data"
+    agent = KvAgent(
+        _kv(1), BLOCKS, BLOCK, f"ipc://{tmp_path}/{name}-control", data, transport="gloo",
+        timeout_s=3, max_pairs=max_pairs,
+    )  # fmt: skip
+    return agent, data
+
+
+def test_pair_groups_are_bounded_both_ways(tmp_path: Path) -> None:
+    """An engine keeps at most ``max_pairs`` pair groups to send (the least recently used goes,
+    and its target lets its end go) and holds at most as many that sources opened to it."""
+    (first, first_data), (second, second_data) = (_agent(tmp_path, n, max_pairs=1) for n in ("a", "b"))
+    sender = Transport("gloo", "127.0.0.1", torch.device("cpu"), 8 << 20, timeout_s=3, max_pairs=1)
+    other = Transport("gloo", "127.0.0.1", torch.device("cpu"), 8 << 20, timeout_s=3, max_pairs=1)
+    try:
+        sender.connect(first_data)
+        _until(lambda: first._joined == 1, "the first target did not join")
+        sender.connect(second_data)
+        assert list(sender._groups) == [second_data]
+        _until(lambda: first._joined == 0, "the first target kept the group its source closed")
+        _until(lambda: second._joined == 1, "the second target did not join")
+        # The second target holds its one group: another source's join is refused, and that
+        # source's set-up fails within its timeout instead of opening one more communicator.
+        with pytest.raises(TransportError, match="no gloo group"):
+            other.connect(second_data)
+        assert second._joined == 1 and other._groups == {}
+    finally:
+        sender.close()
+        other.close()
+        first.close()
+        second.close()

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shoal_protos.addresses import host_port, http_url, tcp_url
+from shoal_protos.addresses import host_port, http_url, resolve_bind_host, tcp_url
 
 
 class EngineConfig(BaseModel):
@@ -159,7 +159,14 @@ class EngineConfig(BaseModel):
 
     kv_staging_mib: int = Field(default=1024, ge=0, le=1 << 20)
     """Staging arena of migrations arriving here: memory kept mapped between migrations (it
-    costs only as much as has been used). Chunks that do not fit go to fresh memory."""
+    costs only as much as has been used). On CPU engines, chunks that do not fit go to fresh
+    memory; on GPU engines the arena is all there is (a move that does not fit fails and the
+    request stays on its source), and it is taken out of vLLM's GPU memory budget."""
+
+    kv_max_pairs: int = Field(default=4, ge=1, le=64)
+    """Most ``gloo`` or ``nccl`` pair groups this engine keeps open to send (the least recently
+    used is closed for a new one) and to receive (a join beyond them is refused): each NCCL
+    communicator holds GPU buffers, counted in the GPU budget too."""
 
     block_size: int | None = Field(default=None, ge=16)
     """KV block size in tokens; None keeps vLLM's default (128 on CPU; the CPU build needs a
@@ -197,7 +204,7 @@ class EngineConfig(BaseModel):
     @property
     def listen_host(self) -> str:
         """The address the listening sockets bind: ``bind_host``, else ``host``."""
-        return self.bind_host or self.host
+        return resolve_bind_host(self.bind_host, self.host)
 
     @property
     def zmq_address(self) -> str:

@@ -133,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--kv-port", type=int, default=5900, help="KV agent data port (control: +1)")
     parser.add_argument("--kv-transport", default="tcp", choices=["tcp", "gloo", "nccl"])
     parser.add_argument("--kv-staging-mib", type=int, default=1024)
+    parser.add_argument(
+        "--kv-max-pairs", type=int, default=4, help="gloo/nccl pair groups kept open each way"
+    )
     parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens")
     parser.add_argument("--migration-max-stages", type=int, default=4)
     parser.add_argument("--migration-last-stage-max-blocks", type=int, default=2)
@@ -193,6 +196,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         kv_port=args.kv_port,
         kv_transport=args.kv_transport,
         kv_staging_mib=args.kv_staging_mib,
+        kv_max_pairs=args.kv_max_pairs,
         block_size=args.block_size,
         migration_max_stages=args.migration_max_stages,
         migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,

@@ -179,7 +179,33 @@ def shoal_engine_args(config: EngineConfig) -> dict[str, Any]:
     }
     if config.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.migration and not current_platform.is_cpu():
+        total = current_platform.get_device_total_memory(0)
+        args["gpu_memory_utilization"] = migration_budget(config, total)
     return args
+
+
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
+"""vLLM's own default of ``gpu_memory_utilization`` (``CacheConfig``)."""
+NCCL_PAIR_RESERVE = 64 << 20
+"""GPU memory set aside per NCCL pair group: an upper estimate of a two-rank communicator's
+buffers at NCCL's default ``NCCL_BUFFSIZE`` (not measured on these machines)."""
+
+
+def migration_budget(config: EngineConfig, total_bytes: int) -> float:
+    """The ``gpu_memory_utilization`` vLLM gets on a GPU engine with migration: the configured
+    one (vLLM's default if unset) less the share of the device that the staging arena and the
+    pair groups take, which vLLM's profile does not see (they are allocated after it). Without
+    it, an engine at 0.9 would hold 0.9 of the GPU for vLLM and then the arena on top."""
+    wanted = config.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
+    reserve = (config.kv_staging_mib << 20) + config.kv_max_pairs * NCCL_PAIR_RESERVE
+    budget = wanted - reserve / total_bytes
+    if budget <= 0.05:
+        raise VllmArgsError(
+            f"--kv-staging-mib {config.kv_staging_mib} and {config.kv_max_pairs} NCCL pairs leave vLLM "
+            f"{budget:.2f} of a {total_bytes >> 20} MiB GPU at gpu_memory_utilization {wanted:g}"
+        )
+    return round(budget, 4)
 
 
 def build_engine_args(config: EngineConfig) -> AsyncEngineArgs:
@@ -203,6 +229,7 @@ def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
             "host": config.host,
             "transport": config.kv_transport,
             "staging_bytes": config.kv_staging_mib << 20,
+            "max_pairs": config.kv_max_pairs,
             # A transfer never outlasts the migration step it serves.
             "timeout_s": config.migration_step_timeout_s,
         },

@@ -129,6 +129,7 @@ class KvAgent:
         timeout_s: float = 10.0,
         staging_bytes: int = 1 << 30,
         host: str | None = None,
+        max_pairs: int = 4,
     ) -> None:
         """``host``: where other engines reach this agent, for the rendezvous of ``gloo`` and
         ``nccl`` pairs; None: the data address's host (which a bind to ``::`` does not name)."""
@@ -163,7 +164,10 @@ class KvAgent:
             self._layers[0].device,
             self._chunk_blocks * self.bytes_per_block,
             timeout_s,
+            max_pairs,
         )
+        self._max_pairs = max_pairs
+        self._joined = 0  # pair groups sources hold with this agent
         self._arena = StagingArena(
             self.num_layers,
             self.bytes_per_layer_block,
@@ -376,10 +380,10 @@ class KvAgent:
                 ids = list(table.block_ids[command.first_block : last]) if table else []
             if len(ids) < command.num_blocks:
                 return kv.AgentError(message=f"request {command.request_id} has no blocks there")
-            data = torch.stack([t.index_select(0, torch.tensor(ids)) for t in self._layers]).permute(1, 0, 2)
-            return kv.BlockBytes(
-                first_block=command.first_block, num_blocks=len(ids), data=data.contiguous().numpy().tobytes()
-            )
+            data = torch.stack(
+                [t.index_select(0, torch.tensor(ids, device=t.device)) for t in self._layers]
+            ).permute(1, 0, 2)
+            return kv.BlockBytes(first_block=command.first_block, num_blocks=len(ids), data=_host_bytes(data))
         if isinstance(command, kv.ReadStaged):
             with self._lock:
                 staged = self._staging.get(command.migration_id)
@@ -388,9 +392,7 @@ class KvAgent:
                 return kv.AgentError(message=f"nothing staged for {command.migration_id}")
             first = chunks[0][0]
             data = torch.cat([torch.stack(layers, dim=1) for _, (_, layers) in chunks])
-            return kv.BlockBytes(
-                first_block=first, num_blocks=data.shape[0], data=data.contiguous().numpy().tobytes()
-            )
+            return kv.BlockBytes(first_block=first, num_blocks=data.shape[0], data=_host_bytes(data))
         self._expire_staging()
         with self._lock:
             return kv.Status(
@@ -502,7 +504,7 @@ class KvAgent:
                     conn.settimeout(self._timeout_s)
                     message = kv.data_message_decoder.decode(raw)
                     if isinstance(message, kv.PairJoin):
-                        receiver.join(message)
+                        self._join(receiver, message)
                         continue
                     started = self._start_stage(receiver, message, arriving)
                     if started is None:
@@ -522,12 +524,31 @@ class KvAgent:
             # for other migrations (nothing can land in them after).
             taken = [(left.slot, left.header.num_blocks) for left in arriving if left.slot is not None]
             arriving.clear()
+            if receiver.joined:
+                with self._lock:
+                    self._joined -= 1
             receiver.close()
             for slot, count in taken:
                 self._arena.give_back(slot, count)
             with self._lock:
                 self._peers.discard(conn)
             conn.close()
+
+    def _join(self, receiver: Receiver, join: kv.PairJoin) -> None:
+        """Join a source's pair group, unless ``max_pairs`` are held already: the refusal closes
+        the connection, and the source's group set-up fails within its timeout."""
+        if receiver.joined:
+            raise ValueError("a second pair join on one connection")
+        with self._lock:
+            if self._joined >= self._max_pairs:
+                raise ValueError(f"{self._max_pairs} {join.backend} pair groups are open here already")
+            self._joined += 1
+        try:
+            receiver.join(join)
+        except BaseException:
+            with self._lock:
+                self._joined -= 1
+            raise
 
     def _start_stage(
         self, receiver: Receiver, header: kv.StageHeader, arriving: deque[_Arriving]
@@ -544,11 +565,15 @@ class KvAgent:
                 else f"a chunk of {header.num_blocks} blocks"
             )
             return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=error), False
-        # Into the arena when it has room; otherwise into fresh memory.
+        # Into the arena when it has room; otherwise into fresh memory, on the host only: a GPU
+        # engine's staging is the arena alone, which its GPU budget counts.
         count = header.num_blocks
         slot = self._arena.take(count)
         if slot is not None:
             into = self._arena.views(slot, count)
+        elif self._layers[0].device.type != "cpu":
+            error = f"staging full: {count} blocks do not fit in the {self._arena.slots}-block arena"
+            return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=error), False
         else:
             shape = (count, self.bytes_per_layer_block)
             into = [
@@ -622,6 +647,12 @@ class KvAgent:
                 self._give_back(self._staging.pop(migration_id))
         for migration_id in stale:
             logger.warning("freed staging of migration %s: its request never arrived", migration_id)
+
+
+def _host_bytes(data: torch.Tensor) -> bytes:
+    """A tensor's bytes, copied from the GPU first when it lives there (``.numpy()`` refuses a
+    CUDA tensor; ``.cpu()`` of a host tensor is the tensor itself)."""
+    return data.contiguous().cpu().numpy().tobytes()
 
 
 def _receive_failed(header: kv.StageHeader, exc: Exception) -> kv.StageAck:

@@ -46,6 +46,10 @@ from vllm.v1.request import RequestStatus
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
 
+KV_CACHE_LAYOUT = "LBHNC"
+"""The KV cache layout the connector asks vLLM for (a ``vllm.v1.kv_cache_layout.KVCacheLayout``
+name), on every backend."""
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -100,6 +104,14 @@ class ShoalConnector(KVConnectorBase_V1):
         self._matched: dict[str, int] = {}
         # Worker side.
         self._agent: KvAgent | None = None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """LBHNC: each layer's blocks one after another, each block one dense page. The agent
+        moves a block per layer as one slice of that layer's tensor; FlashAttention, the CUDA
+        default, would otherwise get LBNHC, where a layer's tensor is not blocks-first
+        contiguous and the agent refuses it."""
+        return KV_CACHE_LAYOUT
 
     # ---- scheduler side ---------------------------------------------------------------------
 
@@ -216,6 +228,7 @@ class ShoalConnector(KVConnectorBase_V1):
             staging_ttl_s=float(self._extra.get("staging_ttl_s", 60.0)),
             timeout_s=float(self._extra.get("timeout_s", 10.0)),
             staging_bytes=int(self._extra.get("staging_bytes", 1 << 30)),
+            max_pairs=int(self._extra.get("max_pairs", 4)),
             host=str(self._extra["host"]) if self._extra.get("host") else None,
         )
 

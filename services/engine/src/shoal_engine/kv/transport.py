@@ -214,6 +214,10 @@ def check_backend(backend: str, device: torch.device) -> None:
         raise ValueError("KV transport 'tcp' needs the KV cache in host memory; use 'nccl' on GPUs")
     if backend == "gloo" and not dist.is_gloo_available():
         raise ValueError("KV transport 'gloo' needs torch.distributed with gloo")
+    if backend == "gloo" and device.type != "cpu":
+        # ProcessGroupGloo's send and recv hand the tensor's memory to gloo's TCP transport,
+        # which reads and writes it as host memory.
+        raise ValueError("KV transport 'gloo' needs the KV cache in host memory; use 'nccl' on GPUs")
     if backend == "nccl" and (not dist.is_nccl_available() or device.type != "cuda"):
         raise ValueError(
             "KV transport 'nccl' needs a CUDA build of torch with NCCL and a KV cache on the GPU"
@@ -222,14 +226,33 @@ def check_backend(backend: str, device: torch.device) -> None:
         raise ValueError(f"unknown KV transport {backend!r} (tcp, gloo, nccl)")
 
 
+def release_group(group: dist.ProcessGroup) -> None:
+    """Free a pair group's resources now (an NCCL communicator's GPU buffers), rather than
+    whenever the garbage collector gets to it."""
+    shutdown = getattr(group, "shutdown", None)  # ProcessGroupNCCL; gloo's have nothing to free
+    if shutdown is None:
+        return
+    try:
+        shutdown()
+    except RuntimeError as exc:
+        logger.warning("KV transport: a pair group did not shut down cleanly: %s", exc)
+
+
 class Transport:
     """The sending half of every transport: a connection per target agent and, for ``gloo`` and
     ``nccl``, rank 0 of a process group per target."""
 
     def __init__(
-        self, backend: str, host: str, device: torch.device, chunk_bytes: int, timeout_s: float
+        self,
+        backend: str,
+        host: str,
+        device: torch.device,
+        chunk_bytes: int,
+        timeout_s: float,
+        max_pairs: int = 4,
     ) -> None:
         check_backend(backend, device)
+        self._max_pairs = max_pairs
         self._backend = backend
         self._device = device
         self._host = host
@@ -248,6 +271,12 @@ class Transport:
         self._connections[target] = sock
         if self._backend == "tcp":
             return
+        # Pair groups are bounded (an NCCL communicator holds GPU buffers): the least recently
+        # used goes; its target sees the connection close and lets its end go too.
+        while len(self._groups) >= self._max_pairs:
+            oldest = next(iter(self._groups))
+            logger.info("KV transport: closing the %s pair with %s for %s", self._backend, oldest, target)
+            self._drop(oldest)
         try:
             # This side hosts the pair's rendezvous store on a free port; the target joins it.
             store = dist.TCPStore(
@@ -284,6 +313,8 @@ class Transport:
     ) -> int:
         self.connect(target)
         sock = self._connections[target]
+        if target in self._groups:  # the most recently used, last
+            self._groups[target] = self._groups.pop(target)
         per_block = len(layers) * layers[0].shape[1]
         sent = messages = 0
         works: list[dist.Work] = []
@@ -326,7 +357,9 @@ class Transport:
         return sent
 
     def _drop(self, target: str) -> None:
-        self._groups.pop(target, None)
+        pair = self._groups.pop(target, None)
+        if pair is not None:
+            release_group(pair[1])
         sock = self._connections.pop(target, None)
         if sock is not None:
             sock.close()
@@ -362,8 +395,14 @@ class Receiver:
         )
         self._group = (store, group)
 
+    @property
+    def joined(self) -> bool:
+        return self._group is not None
+
     def close(self) -> None:
         """Let go of the pair group: receives still posted on it end with it."""
+        if self._group is not None:
+            release_group(self._group[1])
         self._group = None
 
     def receive(self, header: kv.StageHeader, into: list[torch.Tensor]) -> Callable[[], None] | None:
