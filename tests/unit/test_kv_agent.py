@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
-from shoal_engine.kv.connector import ShoalConnector
+from shoal_engine.kv.connector import ShoalConnector, worker_addresses
 from shoal_engine.kv.transport import Transport, TransportError, check_backend, runs, write_message
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
@@ -465,3 +465,16 @@ def test_pair_groups_are_bounded_both_ways(tmp_path: Path) -> None:
         other.close()
         first.close()
         second.close()
+
+
+def test_each_worker_of_a_parallel_engine_has_its_own_agent_ports() -> None:
+    control, data = "tcp://10.0.0.5:5901", "tcp://[::]:5900"
+    assert worker_addresses(control, data, 0) == (control, data)
+    assert worker_addresses(control, data, 1) == ("tcp://10.0.0.5:5903", "tcp://[::]:5902")
+    ports = {
+        port
+        for rank in range(8)
+        for address in worker_addresses(control, data, rank)
+        for port in [int(address.rsplit(":", 1)[1])]
+    }
+    assert len(ports) == 16  # no two workers (nor their two sockets) share a port

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -148,6 +149,7 @@ async def _move(
     service: PlayedService,
     target: PlayedTarget,
     metrics: EngineMetrics | None = None,
+    **settings: Any,
 ) -> pb.MigrationResult:
     config = EngineConfig(
         model="m",
@@ -157,6 +159,7 @@ async def _move(
         backend="sim",
         migration_max_stages=4,
         migration_last_stage_max_blocks=2,
+        **settings,
     )
     keys = Keys(config.cluster)
     record = EngineRecord(
@@ -364,3 +367,34 @@ def test_the_target_times_the_hand_over_from_the_commit_to_the_first_token_in_fo
     assert skewed == pytest.approx({"admit": 0.0, "queue": 4.0, "first_step": 40.0, "output": 2.0})
     # An engine that keeps no stamps: no parts, rather than made-up ones.
     assert target_phases_ms(10.0, None, 10.046) == {}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+async def test_an_engine_of_several_workers_refuses_to_move_its_requests(
+    redis_client: aioredis.Redis, parallel: dict[str, int]
+) -> None:
+    """Rank 0's agent holds one shard of the KV: a move through it alone would corrupt the
+    request on its target. Refused, with the reason, before anything is asked of the target."""
+    agent, service, target = PlayedAgent(stages=[], final=_sent(0, 1, 1)), PlayedService("r1"), PlayedTarget()
+    result = await _move(redis_client, agent, service, target, **parallel)
+    assert result.outcome == pb.REFUSED and "rank to rank" in result.detail, result
+    assert agent.commands == [] and not target.commits and not service.handed_over
+
+
+@pytest.mark.asyncio
+async def test_an_engine_of_several_workers_refuses_to_take_a_request_in(
+    redis_client: aioredis.Redis,
+) -> None:
+    config = EngineConfig(
+        model="m", served_model_name="m", engine_id="t", backend="sim", tensor_parallel_size=2
+    )
+    service = PlayedService("r1")
+    service.draining = False  # type: ignore[attr-defined]
+    metrics = EngineMetrics("t", "m")
+    manager = MigrationManager(config, service, lambda: 100, redis_client, Keys("c"), metrics)  # type: ignore[arg-type]
+    try:
+        reply = await manager.prepare(pb.PrepareRequest(migration_id="m", request_id="r1", num_blocks=1))
+    finally:
+        await manager.aclose()
+    assert not reply.accepted and "rank to rank" in reply.detail

@@ -202,6 +202,11 @@ class EngineConfig(BaseModel):
     """Deadline of each migration step (prepare, a stage, commit)."""
 
     @property
+    def parallel_workers(self) -> int:
+        """vLLM workers of this engine, each holding a shard of the KV cache (TP x PP)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def listen_host(self) -> str:
         """The address the listening sockets bind: ``bind_host``, else ``host``."""
         return resolve_bind_host(self.bind_host, self.host)

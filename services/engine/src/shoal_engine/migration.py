@@ -144,6 +144,15 @@ class _Reservation:
     expiry: asyncio.TimerHandle
 
 
+_SHARDED = (
+    "tensor- or pipeline-parallel engines do not move requests yet: each worker holds a shard of "
+    "the KV cache, and the shards would have to go rank to rank"
+)
+"""Why an engine of several vLLM workers refuses moves, out and in. Each worker's KV agent
+serves its own shard (on ports offset by its rank); a move through rank 0's alone would copy
+part of the KV and corrupt the request on its target."""
+
+
 class MigrationManager:
     def __init__(
         self,
@@ -209,6 +218,8 @@ class MigrationManager:
             moved = self._service.moved_to(request_id)
             where = f" (it moved to {moved})" if moved else ""
             return self._finish(result, pb.GONE, f"the request is not running here{where}", started)
+        if self._config.parallel_workers > 1:
+            return self._finish(result, pb.REFUSED, _SHARDED, started)
         self._moving.add(request_id)
         try:
             await self._migrate(result, started, mode)
@@ -668,6 +679,8 @@ class MigrationManager:
     async def prepare(self, request: pb.PrepareRequest) -> pb.PrepareReply:
         if self._service.draining:
             return self._refuse_prepare(request, "the target is draining")
+        if self._config.parallel_workers > 1:
+            return self._refuse_prepare(request, _SHARDED)
         status = await self._agent_status()
         if request.bytes_per_block != status.bytes_per_block:
             return self._refuse_prepare(

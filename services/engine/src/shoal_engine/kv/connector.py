@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tp_group
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -45,6 +46,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_protos.addresses import split_host_port, tcp_url
+
+
+def worker_addresses(control: str, data: str, rank: int) -> tuple[str, str]:
+    """The KV agent addresses of worker ``rank``: rank 0's as given, each further rank's two
+    ports past the one before (data ``kv_port + 2 * rank``, control one above), so that the
+    workers of one engine never ask for the same port."""
+    if rank == 0:
+        return control, data
+    addresses = []
+    for address in (control, data):
+        host, port = split_host_port(address)
+        addresses.append(tcp_url(host, port + 2 * rank))
+    return addresses[0], addresses[1]
+
 
 KV_CACHE_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for (a ``vllm.v1.kv_cache_layout.KVCacheLayout``
@@ -217,12 +233,17 @@ class ShoalConnector(KVConnectorBase_V1):
     # ---- worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Each worker of a tensor- or pipeline-parallel engine runs its own agent, for its shard.
+        rank = get_tensor_model_parallel_rank() + get_pp_group().rank_in_group * get_tp_group().world_size
+        control, data = worker_addresses(
+            str(self._extra["control_address"]), str(self._extra["data_address"]), rank
+        )
         self._agent = KvAgent(
             kv_caches,
             self._num_blocks,
             self._block_size,
-            control_address=str(self._extra["control_address"]),
-            data_address=str(self._extra["data_address"]),
+            control_address=control,
+            data_address=data,
             transport=str(self._extra.get("transport", "tcp")),
             chunk_bytes=int(self._extra.get("chunk_bytes", 8 << 20)),
             staging_ttl_s=float(self._extra.get("staging_ttl_s", 60.0)),
