@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, cast
 
@@ -34,6 +33,7 @@ from shoal_protos.addresses import host_port, http_url, tcp_url
 from shoal_protos.messages import OutputBatch
 from shoal_router import main as router_main
 from shoal_tokenizer import main as tokenizer_main
+from tests.integration.support import until
 from tests.unit.listeners import (
     ELSEWHERE,
     LOOPBACKS,
@@ -45,14 +45,10 @@ from tests.unit.listeners import (
     skip_unless_ipv6_loopback,
 )
 
+WAIT_S = 10.0
+"""How long a test waits for what it expects before it fails."""
+
 needs_ipv6 = pytest.mark.skipif(bool(NO_IPV6), reason=NO_IPV6)
-
-
-async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
-        await asyncio.sleep(0.01)
 
 
 async def _accepts(host: str, port: int) -> bool:
@@ -63,7 +59,7 @@ async def _accepts(host: str, port: int) -> bool:
 async def _serving(server: uvicorn.Server, serve: Awaitable[None]) -> AsyncIterator[None]:
     task = asyncio.create_task(serve)
     try:
-        await _until(lambda: server.started or task.done(), "the HTTP server's start")
+        await until(lambda: server.started or task.done(), WAIT_S, "the HTTP server's start")
         assert not task.done(), "the HTTP server stopped at once"
         yield
     finally:

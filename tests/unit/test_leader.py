@@ -27,6 +27,11 @@ from aiohttp import web
 from shoal_operator import leader, main
 from shoal_operator.leader import Election, Elector, LeaseClient, LeaseConflictError, Timing
 
+from tests.integration.support import until
+
+WAIT_S = 10.0
+"""How long a test waits for what it expects before it fails."""
+
 NS = "shoal-system"
 LEASES = "coordination.k8s.io/v1/leases"
 FAST = Timing(lease_s=1, renew_deadline_s=0.6, renew_s=0.2, retry_s=0.1)
@@ -113,13 +118,6 @@ def _holders(api: LeaseAPI) -> list[str]:
     return names
 
 
-async def _until(check: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.02)
-
-
 @contextlib.asynccontextmanager
 async def _leading(elector: Elector) -> AsyncIterator[asyncio.Task[str]]:
     """The elector acquiring, then renewing, as a task (cancelled on the way out)."""
@@ -139,7 +137,7 @@ async def _leading(elector: Elector) -> AsyncIterator[asyncio.Task[str]]:
 async def test_of_two_electors_exactly_one_leads(api: LeaseAPI, electors: Callable[[str], Elector]) -> None:
     a, b = electors("operator-a"), electors("operator-b")
     async with _leading(a) as run_a, _leading(b) as run_b:
-        await _until(lambda: a.leading or b.leading, "one of them leads")
+        await until(lambda: a.leading or b.leading, WAIT_S, "one of them leads")
         first = _lease(api)
         # Three lease durations: the leader keeps renewing and the other never takes over.
         await asyncio.sleep(3 * FAST.lease_s)
@@ -159,7 +157,7 @@ async def test_a_leader_cut_off_steps_down_before_the_standby_takes_over(
 ) -> None:
     a, b = electors("operator-a"), electors("operator-b")
     async with _leading(a) as run_a:
-        await _until(lambda: a.leading, "a leads")
+        await until(lambda: a.leading, WAIT_S, "a leads")
         async with _leading(b):
             await asyncio.sleep(2 * FAST.lease_s)
             assert not b.leading
@@ -167,7 +165,7 @@ async def test_a_leader_cut_off_steps_down_before_the_standby_takes_over(
             cut = time.monotonic()
             reason = await asyncio.wait_for(asyncio.shield(run_a), 5)
             stepped_down = time.monotonic()
-            await _until(lambda: b.leading, "b takes over")
+            await until(lambda: b.leading, WAIT_S, "b takes over")
             took_over = time.monotonic()
     assert "could not renew" in reason and not a.leading
     # a gives up within its renew deadline of its last renewal, before the lease runs out, and
@@ -187,7 +185,7 @@ async def test_the_standby_takes_over_when_the_leader_stops_renewing(
     assert await a.try_acquire_or_renew()  # leads once, then renews nothing (a hung process)
     acquired = time.monotonic()
     async with _leading(b):
-        await _until(lambda: b.leading, "b takes over")
+        await until(lambda: b.leading, WAIT_S, "b takes over")
         assert time.monotonic() - acquired >= FAST.lease_s
         # The old leader, were it to wake, sees it lost the lease and does not take it back.
         assert not await a.try_acquire_or_renew()
@@ -265,7 +263,7 @@ async def test_election_thread_serves_probes_steps_down_and_releases(
     election.beat()
     assert await _get(f"http://127.0.0.1:{port}/healthz") == 200
     api.refused.add("operator-a")
-    await _until(lambda: bool(lost), "the leader steps down")
+    await until(lambda: bool(lost), WAIT_S, "the leader steps down")
     assert "could not renew" in lost[0]
     await asyncio.to_thread(election.stop)
 
@@ -283,11 +281,11 @@ async def test_a_standby_is_ready_and_not_leading(api: LeaseAPI, electors: Calla
     port = _free_port()
     election = Election(b, f"http://127.0.0.1:{port}/healthz", on_lost=lambda _: None)
     async with _leading(a):
-        await _until(lambda: a.leading, "a leads")
+        await until(lambda: a.leading, WAIT_S, "a leads")
         assert not b.ready()
         election.start()
         try:
-            await _until(b.ready, "the standby has reached the API server")
+            await until(b.ready, WAIT_S, "the standby has reached the API server")
             assert await _get(f"http://127.0.0.1:{port}/readyz") == 200
             await asyncio.sleep(2 * FAST.lease_s)
             assert not election.wait_until_leading(0) and a.leading
@@ -362,7 +360,7 @@ async def test_the_operator_beats_while_kopf_runs(api: LeaseAPI) -> None:
     thread.start()
     try:
         assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
-        await _until(lambda: len(beats) >= 3, "three beats from kopf's loop")
+        await until(lambda: len(beats) >= 3, WAIT_S, "three beats from kopf's loop")
     finally:
         stop.set()
         await asyncio.to_thread(thread.join, 20)

@@ -14,8 +14,7 @@ import asyncio
 import contextlib
 import copy
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, NamedTuple
 
 import aiohttp
@@ -30,7 +29,11 @@ from shoal_operator.reconcile import Reconciler
 from shoal_operator.scale import DELETION_COST_ANNOTATION, EngineLoad, Leaving
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
+from tests.integration.support import until
 from tests.unit.ssa import ApplyingEmulator
+
+WAIT_S = 30.0
+"""How long a test waits for what it expects before it fails."""
 
 pytestmark = pytest.mark.kmock(cls=ApplyingEmulator)
 
@@ -104,13 +107,6 @@ def _children(api: kmock_lib.KubernetesEmulator) -> dict[str, dict[str, Any]]:
         if resource.plural in _CHILD_PLURALS and not obj.deleted:
             found[f"{obj['kind']}/{name}"] = dict(obj.raw)
     return found
-
-
-async def _eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -267,21 +263,14 @@ async def test_a_service_monitor_crd_installed_later_is_seen_without_a_restart(
         await reconciler.reconcile(NS, NAME)
         assert "ServiceMonitor/smol" not in _children(api)
         _declare(api, service_monitors=True)  # the Prometheus operator installed meanwhile
-        await _eventually_async(
-            lambda: reconciler.reconcile(NS, NAME), lambda: "ServiceMonitor/smol" in _children(api)
-        )
+
+        async def monitored() -> bool:
+            await reconciler.reconcile(NS, NAME)
+            return "ServiceMonitor/smol" in _children(api)
+
+        await until(monitored, 10.0, "the ServiceMonitor is made")
     finally:
         await kube.close()
-
-
-async def _eventually_async(
-    step: Callable[[], Awaitable[Any]], check: Callable[[], bool], timeout_s: float = 10.0
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await step()
-        await asyncio.sleep(0.05)
 
 
 class DrainCall(NamedTuple):
@@ -491,20 +480,21 @@ async def _call(request: Awaitable[Any]) -> None:
 @pytest.mark.usefixtures("operator")
 async def test_kopf_creates_children_and_puts_a_deleted_one_back(api: kmock_lib.KubernetesEmulator) -> None:
     await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
-    await _eventually(lambda: set(_children(api)) == EXPECTED_CHILDREN, "every child exists")
+    await until(lambda: set(_children(api)) == EXPECTED_CHILDREN, WAIT_S, "every child exists")
     await _call(api.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/smol-engine"))
-    await _eventually(lambda: "Deployment/smol-engine" in _children(api), "the deleted Deployment is back")
+    await until(lambda: "Deployment/smol-engine" in _children(api), WAIT_S, "the deleted Deployment is back")
 
 
 @pytest.mark.usefixtures("operator")
 async def test_kopf_scale_change_reaches_the_engine_deployment(api: kmock_lib.KubernetesEmulator) -> None:
     await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
-    await _eventually(lambda: "Deployment/smol-engine" in _children(api), "the engines exist")
+    await until(lambda: "Deployment/smol-engine" in _children(api), WAIT_S, "the engines exist")
     url = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{NAME}"
     headers = {"Content-Type": "application/merge-patch+json"}
     await _call(api.patch(url, json={"spec": {"engine": {"replicas": 3}}}, headers=headers))
-    await _eventually(
+    await until(
         lambda: _children(api)["Deployment/smol-engine"]["spec"]["replicas"] == 3,
+        WAIT_S,
         "the engine Deployment has 3 replicas",
     )
 
@@ -512,7 +502,7 @@ async def test_kopf_scale_change_reaches_the_engine_deployment(api: kmock_lib.Ku
 @pytest.mark.usefixtures("operator")
 async def test_kopf_deletion_leaves_children_to_owner_references(api: kmock_lib.KubernetesEmulator) -> None:
     await _post(api, f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", _cluster())
-    await _eventually(lambda: set(_children(api)) == EXPECTED_CHILDREN, "every child exists")
+    await until(lambda: set(_children(api)) == EXPECTED_CHILDREN, WAIT_S, "every child exists")
     # No finalizer: deleting a cluster never waits for the operator (gone, uninstalled, or a
     # namespace being deleted with it).
     assert not api.objects[CLUSTERS, NS, NAME].get("metadata", {}).get("finalizers")
@@ -531,8 +521,9 @@ async def test_a_finalizer_an_older_operator_left_is_taken_off(api: kmock_lib.Ku
     legacy["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
     api.objects[CLUSTERS, NS, NAME] = legacy
     async with _running_operator(api):
-        await _eventually(
+        await until(
             lambda: not api.objects[CLUSTERS, NS, NAME].get("metadata", {}).get("finalizers"),
+            WAIT_S,
             "kopf's old finalizer is off the cluster",
         )
 
@@ -545,10 +536,11 @@ async def test_kopf_invalid_spec_sets_condition_and_posts_an_event(api: kmock_li
         conditions = api.objects[CLUSTERS, NS, NAME].get("status", {}).get("conditions", [])
         return any(c["type"] == "Ready" and c["reason"] == "InvalidSpec" for c in conditions)
 
-    await _eventually(invalid, "Ready=False with reason InvalidSpec")
+    await until(invalid, WAIT_S, "Ready=False with reason InvalidSpec")
     assert _children(api) == {}
-    await _eventually(
+    await until(
         lambda: any(r.method == "POST" and r.url.path.endswith("/events") for r in _requests(api)),
+        WAIT_S,
         "an InvalidSpec event is posted",
     )
     events = [r.data for r in _requests(api) if r.method == "POST" and r.url.path.endswith("/events")]
