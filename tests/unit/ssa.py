@@ -87,12 +87,7 @@ def _remove(obj: dict[str, Any], path: Path) -> None:
         field = step if isinstance(step, str) else ""
         if node is None:
             return
-    last = path[-1]
-    if isinstance(last, tuple) and isinstance(node, list):
-        keys = _keys(field, node)
-        node[:] = [item for item in node if not (keys and _key_of(item, keys) == last)]
-    elif isinstance(node, dict):
-        node.pop(last, None)
+    _remove_step(node, path[-1], field)
     for parent, step, parent_field in reversed(parents):
         child = _child(parent, step, parent_field)
         if child not in ({}, []):

@@ -365,11 +365,12 @@ class Reconciler:
     async def _apply(self, desired: Manifest, outcome: Outcome, live: Manifest | None) -> Manifest:
         """Bring the child ``desired`` describes to it, given it as read (``live``, None: absent)."""
         desired = stamped(desired)
-        if live is None and _with_generated_keys(desired) is not desired:
+        generated = _with_generated_keys(desired) if live is None else desired
+        if generated is not desired:
             # A Secret whose values the operator generates: created with them once, by a create
             # (its values are then no applied field, and no later apply removes them).
             try:
-                created = await self._api.create(_with_generated_keys(desired))
+                created = await self._api.create(generated)
             except ApiError as exc:
                 if exc.status != 409:  # 409: another writer created it just now
                     raise

@@ -15,6 +15,7 @@ stack.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import socket
 
@@ -25,6 +26,7 @@ ANY_IPV6 = "::"
 ANY_IPV4 = "0.0.0.0"
 
 
+@functools.cache
 def _ipv6_sockets() -> bool:
     """Whether this kernel makes IPv6 sockets (not where booted with ``ipv6.disable=1``)."""
     if not socket.has_ipv6:
@@ -43,9 +45,7 @@ def resolve_bind_host(bind_host: str | None, host: str, ipv6: bool | None = None
     ask it), since binding ``::`` would fail there."""
     if not bind_host:
         return host
-    if ipv6 is None:
-        ipv6 = _ipv6_sockets()
-    if bare_host(bind_host) == ANY_IPV6 and not ipv6:
+    if bare_host(bind_host) == ANY_IPV6 and not (_ipv6_sockets() if ipv6 is None else ipv6):
         return ANY_IPV4
     return bind_host
 
