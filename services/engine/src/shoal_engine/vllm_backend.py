@@ -185,8 +185,10 @@ def shoal_engine_args(config: EngineConfig) -> dict[str, Any]:
     return args
 
 
-VLLM_GPU_MEMORY_UTILIZATION = 0.92
-"""vLLM's own default of ``gpu_memory_utilization`` (``CacheConfig``)."""
+VLLM_GPU_MEMORY_UTILIZATION: float = next(
+    field.default for field in dataclasses.fields(AsyncEngineArgs) if field.name == "gpu_memory_utilization"
+)
+"""vLLM's own default of ``gpu_memory_utilization``, read from its engine arguments."""
 NCCL_PAIR_RESERVE = 64 << 20
 """GPU memory set aside per NCCL pair group: an upper estimate of a two-rank communicator's
 buffers at NCCL's default ``NCCL_BUFFSIZE`` (not measured on these machines)."""

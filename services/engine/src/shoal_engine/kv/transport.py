@@ -210,14 +210,12 @@ def _wait_all(works: list[dist.Work], device: torch.device, timeout_s: float) ->
 
 def check_backend(backend: str, device: torch.device) -> None:
     """Fail at start, not mid-migration, when ``backend`` cannot carry this KV cache."""
-    if backend == "tcp" and device.type != "cpu":
-        raise ValueError("KV transport 'tcp' needs the KV cache in host memory; use 'nccl' on GPUs")
+    # Both read and write the tensor's memory as host memory: the socket directly, gloo through
+    # ProcessGroupGloo's send and recv handing it to gloo's TCP transport.
+    if backend in ("tcp", "gloo") and device.type != "cpu":
+        raise ValueError(f"KV transport {backend!r} needs the KV cache in host memory; use 'nccl' on GPUs")
     if backend == "gloo" and not dist.is_gloo_available():
         raise ValueError("KV transport 'gloo' needs torch.distributed with gloo")
-    if backend == "gloo" and device.type != "cpu":
-        # ProcessGroupGloo's send and recv hand the tensor's memory to gloo's TCP transport,
-        # which reads and writes it as host memory.
-        raise ValueError("KV transport 'gloo' needs the KV cache in host memory; use 'nccl' on GPUs")
     if backend == "nccl" and (not dist.is_nccl_available() or device.type != "cuda"):
         raise ValueError(
             "KV transport 'nccl' needs a CUDA build of torch with NCCL and a KV cache on the GPU"
