@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from shoal_protos import engine_control_pb2, kv, tokenizer_pb2
 from shoal_protos.messages import AbortRequest, AddRequest, FrameType, SamplingOptions
 from tests.integration.support import STALL_S, RunningFleet, wait_until
-from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, Mover, stream
+from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, moved_back_to_back
 
 pytestmark = pytest.mark.integration
 
@@ -116,13 +116,8 @@ def _serves_and_migrates(fleet: RunningFleet) -> None:
     for i in range(6):
         reply = client.completions.create(model=fleet.model, prompt=[3, 4, i], max_tokens=4)
         assert reply.usage is not None and reply.usage.completion_tokens >= 1
-    for _ in range(3):
-        mover = Mover(fleet, times=1, every=0, first=1)
-        out = stream(fleet, TINY_PROMPT, TINY_LONG, mover)
-        if mover.results:
-            assert out.finish_reason == "length"
-            return
-    raise AssertionError("no stream was still running when it was moved")
+    out = moved_back_to_back(fleet, TINY_PROMPT, TINY_LONG, 1)
+    assert out.finish_reason == "length"
 
 
 def test_pickle_is_never_unpickled_and_hostile_frames_crash_nothing(

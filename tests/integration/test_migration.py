@@ -8,6 +8,7 @@ it decodes, and compares the tokens and text with the same greedy request never 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import re
 import time
@@ -26,6 +27,8 @@ from tests.integration.support import (
     async_client,
     check_target_phases,
     greedy_ids,
+    models_frozen,
+    run_models_until,
     wait_until,
 )
 
@@ -34,10 +37,8 @@ pytestmark = pytest.mark.integration
 ENGINES = ("engine-0", "engine-1")
 # Output tokens of a SmolLM2 test stream: long enough to still be decoding while a test moves it.
 LONG = 200
-# The tiny random model decodes 2,000 tokens in a few seconds here, about as long as the machine
-# may leave a client unscheduled: its streams use nearly all of its 8,192-token context. They are
-# moved at their first chunk, when the engine is least far ahead of the client, with a prompt of
-# eight KV blocks already to copy.
+# The tiny random model's streams use nearly all of its 8,192-token context, moved at their first
+# chunk (``moved_back_to_back``) with a prompt of several KV blocks already to copy.
 TINY_LONG = 8000
 TINY_PROMPT = [10 + 7 * i for i in range(128)]
 
@@ -119,8 +120,7 @@ def stream(
 
 class Mover:
     """Moves a streaming request to the other engine ``times`` times: at chunk ``first`` and
-    then at every ``every``-th chunk, or, with ``every=0``, all of them back to back at chunk
-    ``first``.
+    then at every ``every``-th chunk.
 
     The engine runs ahead of a client that parses every chunk, and a client process the machine
     leaves unscheduled for a few seconds falls further behind: a move that finds the request
@@ -136,10 +136,7 @@ class Mover:
     def __call__(self, out: Streamed) -> None:
         if out.chunks < self.first or self.gone:
             return
-        if self.every == 0:
-            while out.chunks == self.first and len(self.results) < self.times and not self.gone:
-                self._move(out)
-        elif len(self.results) < self.times and (out.chunks - self.first) % self.every == 0:
+        if len(self.results) < self.times and (out.chunks - self.first) % self.every == 0:
             self._move(out)
 
     def _move(self, out: Streamed) -> None:
@@ -154,6 +151,56 @@ class Mover:
     def join(self) -> list[pb.MigrationResult]:
         assert len(self.results) == self.times, self.results
         return self.results
+
+
+def moved_back_to_back(
+    fleet: RunningFleet, prompt: list[int] | str, length: int, times: int, mode: int = pb.PRECOPY
+) -> Streamed:
+    """Stream ``prompt`` and move it ``times`` times back to back from its first chunk on.
+
+    The tiny model decodes its whole context in seconds, and a loaded machine can leave this
+    client unscheduled for as long (its first chunk, or a move's reply, then arrives after the
+    request has finished). So the engines' models stay stopped except while this thread lets
+    them run a slice at a time, waiting for the first chunk and for each move; their front ends,
+    and the moves they drive, run all along. A slice the machine stretched until the request
+    finished shows as a move that finds it gone: the test streams again."""
+    for _attempt in range(3):
+        got = _stream_moved_back_to_back(fleet, prompt, length, times, mode)
+        if len(got.moves) == times:
+            return got
+    raise AssertionError(f"every try finished before its moves: {got.moves}")
+
+
+def _stream_moved_back_to_back(
+    fleet: RunningFleet, prompt: list[int] | str, length: int, times: int, mode: int
+) -> Streamed:
+    first: list[Streamed] = []
+    # The models run again (the inner block's end) before the pool waits for the whole stream.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with models_frozen(fleet, ENGINES):
+            reading = pool.submit(stream, fleet, prompt, length, lambda out: first or first.append(out))
+            run_models_until(fleet, ENGINES, lambda: bool(first) or reading.done(), 180, "the first chunk")
+            assert first, reading.result()
+            out = first[0]
+            owner, late = out.first_engine, 0
+            while len(out.moves) < times:
+                call = pool.submit(fleet.migrate, out.request_id, owner, _other(owner), mode)
+                longest = run_models_until(fleet, ENGINES, call.done, 180, f"the move from {owner}")
+                result = call.result()
+                if result.outcome == pb.GONE and "not running here" in result.detail:
+                    break
+                if result.outcome == pb.FAILED and result.detail == "Deadline Exceeded" and late < 3:
+                    # A step outran its deadline while a model process was stopped: the move was
+                    # called off and the request goes on where it was (the stream must still be
+                    # exact), and the move is tried again.
+                    late += 1
+                    continue
+                assert result.outcome == pb.MIGRATED, (result, f"longest slice {longest:.1f} s")
+                out.moves.append(result)
+                owner = result.target_engine_id
+        got = reading.result(timeout=300)
+    assert got is out
+    return got
 
 
 def test_a_moved_stream_shows_all_its_text_and_ends_at_its_stop_string(smol_fleet: RunningFleet) -> None:
@@ -195,31 +242,30 @@ def test_stream_moved_matches_unmoved(
     request: pytest.FixtureRequest, model: str, times: int, mode: int
 ) -> None:
     fleet: RunningFleet = request.getfixturevalue(f"{model}_fleet")
-    if model == "smol":
-        prompt: list[int] | str = (
-            f"Write a short story about a lighthouse keeper who finds {times} messages in a bottle."
-        )
-        length, every, first = LONG, 4, 4
+    if model == "tiny":
+        # Moved back to back at its first chunk, the engines' models held between looks.
+        prompt: list[int] | str = TINY_PROMPT
+        ref_ids, ref_text = unmoved(fleet, prompt, TINY_LONG)
+        got = moved_back_to_back(fleet, prompt, TINY_LONG, times, mode)
     else:
-        # Moved back to back at its first chunk: the tiny model outruns any client.
-        prompt, length, every, first = TINY_PROMPT, TINY_LONG, 0, 1
-    ref_ids, ref_text = unmoved(fleet, prompt, length)
+        prompt = f"Write a short story about a lighthouse keeper who finds {times} messages in a bottle."
+        ref_ids, ref_text = unmoved(fleet, prompt, LONG)
+        # A stream that finished before its last move is still checked, and the moves tried again.
+        for _attempt in range(5):
+            mover = Mover(fleet, times, every=4, first=4, mode=mode)
+            got = stream(fleet, prompt, LONG, mover)
+            if not mover.gone:
+                break
+        got.moves = mover.join()
     assert len(ref_text) > 200
-    # A stream that finished before its last move is still checked, and the moves tried again.
-    for _attempt in range(5):
-        mover = Mover(fleet, times, every, first, mode)
-        got = stream(fleet, prompt, length, mover)
-        # No gap and no duplicate: the same tokens and text as the request that never moved.
-        assert got.token_ids == ref_ids
-        assert got.finish_reason == "length"
-        if model == "smol":
-            # (The tiny random model's byte tokens form invalid UTF-8 at random, and where the
-            # replacement characters fall may depend on where the text was taken up again.
-            # Valid text comes out the same; SmolLM2's does.)
-            assert got.text == ref_text
-        if not mover.gone:
-            break
-    got.moves = mover.join()
+    # No gap and no duplicate: the same tokens and text as the request that never moved.
+    assert got.token_ids == ref_ids
+    assert got.finish_reason == "length"
+    if model == "smol":
+        # (The tiny random model's byte tokens form invalid UTF-8 at random, and where the
+        # replacement characters fall may depend on where the text was taken up again.
+        # Valid text comes out the same; SmolLM2's does.)
+        assert got.text == ref_text
     status = fleet.agent(got.first_engine, kv.AgentStatus())
     assert isinstance(status, kv.Status)
     for move in got.moves:

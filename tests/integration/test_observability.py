@@ -15,7 +15,7 @@ import pytest
 from shoal_operator import dashboards
 
 from tests.integration.support import STALL_S, RunningFleet, prometheus_server, wait_until
-from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, Mover, stream
+from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, moved_back_to_back
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +56,8 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
         "engines": [urlparse(r.http_address).netloc for r in records if r is not None],
     }
     with prometheus_server(tmp_path, jobs) as prometheus:
-        # The load: a stream moved once mid-generation (up to six tries, as in the migration
-        # tests: the machine may stall the client until the stream is done) ...
-        for _ in range(6):
-            mover = Mover(tiny_fleet, times=1, every=0, first=1)
-            stream(tiny_fleet, TINY_PROMPT, TINY_LONG, mover)
-            if mover.results:
-                break
-        assert mover.results, "no stream was still running when it was moved"
+        # The load: a stream moved once mid-generation ...
+        moved_back_to_back(tiny_fleet, TINY_PROMPT, TINY_LONG, 1)
         # ... plain requests, and one refused (an unknown model: 404).
         client = tiny_fleet.openai()
         for i in range(4):
