@@ -66,12 +66,17 @@ def test_sigterm_moves_running_request_away_then_leaves(smol_fleet: RunningFleet
         last = chunk
     assert last is not None and last.choices[0].finish_reason == "length"
     assert token_ids == reference.choices[0].model_extra["token_ids"]
-    moves = [
-        smol_fleet.migration_record(m.decode())
-        for m in smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 50)
-    ]
-    drained = [m for m in moves if m is not None and m.request_id == request_id]
-    assert [(m.reason, m.source, m.outcome) for m in drained] == [("drain", victim, "MIGRATED")]
+
+    def drained() -> list[tuple[str, str, str]]:
+        moves = [
+            smol_fleet.migration_record(m.decode())
+            for m in smol_fleet.redis.lrange(smol_fleet.keys.migrations, 0, 50)
+        ]
+        return [(m.reason, m.source, m.outcome) for m in moves if m and m.request_id == request_id]
+
+    # The source writes the record once the move has returned, which the stream need not wait for.
+    wait_until(lambda: bool(drained()), STALL_S, "the drain's migration record")
+    assert drained() == [("drain", victim, "MIGRATED")]
 
     wait_until(lambda: smol_fleet.engine_record(victim) is None, STALL_S, f"{victim} to leave Redis")
     wait_until(lambda: _exited(record.pid), STALL_S, f"{victim} to exit")

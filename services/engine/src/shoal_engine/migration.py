@@ -180,6 +180,8 @@ class MigrationManager:
         self._reserved: dict[str, _Reservation] = {}
         self._moving: set[str] = set()
         self._history: deque[pb.MigrationResult] = deque(maxlen=256)
+        # Records being written to Redis, by migration id (``migrate`` returns after its own).
+        self._writing: dict[str, asyncio.Task[None]] = {}
         self._status: kv.Status | None = None
         self._owner_script = redis_client.register_script(_SET_OWNER)
         # Migrated-in requests awaiting their first token: id -> (migration, source's last
@@ -198,6 +200,18 @@ class MigrationManager:
 
     async def migrate(
         self, request_id: str, target_engine_id: str, reason: str, mode: int = pb.PRECOPY
+    ) -> pb.MigrationResult:
+        """Move ``request_id`` (or, left empty, the request cheapest to move) to
+        ``target_engine_id`` (or, left empty, the engine this one picks). The result comes back
+        once its record is in Redis, so that a caller reading the records finds it."""
+        result = await self._migrate_one(request_id, target_engine_id, reason, mode)
+        writing = self._writing.get(result.migration_id)
+        if writing is not None:
+            await asyncio.shield(writing)
+        return result
+
+    async def _migrate_one(
+        self, request_id: str, target_engine_id: str, reason: str, mode: int
     ) -> pb.MigrationResult:
         started = time.perf_counter()
         if not request_id:  # the caller (a balancing policy) leaves the choice to this engine
@@ -616,7 +630,9 @@ class MigrationManager:
             result.downtime_ms,
             result.duration_ms,
         )
-        asyncio.get_running_loop().create_task(self._write_record(result, name))
+        writing = asyncio.get_running_loop().create_task(self._write_record(result, name))
+        self._writing[result.migration_id] = writing
+        writing.add_done_callback(lambda _: self._writing.pop(result.migration_id, None))
         return result
 
     async def _write_record(self, result: pb.MigrationResult, outcome: str) -> None:
