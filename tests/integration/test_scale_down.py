@@ -168,7 +168,7 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
             victim, drained_at = done
             break
     else:
-        pytest.fail("in three tries the leaving engine's streams all ended before its drain")
+        pytest.fail("in three tries no drain met streams on both engines")
 
     # No pod deletion followed: the engine serves again by itself.
     wait_until(
@@ -190,7 +190,8 @@ async def _drain_while_streaming(
 ) -> tuple[str, float] | None:
     """Start the streams, drain the engine the operator would remove, check every stream and the
     drain's migration records. Returns the drained engine and when its drain ended, or None when
-    that engine held no stream by the time the drain came (every stream still checked)."""
+    the streams did not land on both engines or that engine held no stream by the time the drain
+    came (every stream still checked)."""
     started = asyncio.Event()
     on: dict[int, str] = {}
     request_ids: dict[int, str] = {}
@@ -211,7 +212,10 @@ async def _drain_while_streaming(
 
     tasks = [asyncio.create_task(streamed(i)) for i in range(STREAMS)]
     await asyncio.wait_for(started.wait(), 120)
-    assert set(on.values()) == set(engines), on  # the router spreads six streams over both engines
+    # The router spreads six streams over both engines, unless one was out of dispatch as they
+    # came (a stall of Redis makes its heartbeat look late for a moment): then no drain runs,
+    # every stream is still checked, and the test tries again.
+    spread = set(on.values()) == set(engines)
 
     # Both models are held still from here (every stream has had its first token; the models run
     # in short slices only until both engines report their streams) until the drain has taken
@@ -225,7 +229,7 @@ async def _drain_while_streaming(
             stack.enter_context(model_frozen(fleet, engine_id))
         # The operator's choice: the engines' own load reports, read from Redis as the operator
         # reads them, once both report the streams they run. The engine id is the pod's name.
-        loads = await _reported_loads(fleet, engines, tasks, 30.0)
+        loads = await _reported_loads(fleet, engines, tasks, 30.0) if spread else None
         if loads is not None:
             pods = [_running_pod(engine) for engine in engines]
             (chosen,) = scale.choose(pods, loads, 1)
