@@ -37,6 +37,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from supervisor.xmlrpc import SupervisorTransport
 
+from shoal_fleet.cpu import cpu_flags, native_dtype
 from shoal_protos import curve
 from shoal_protos.addresses import host_port, http_url
 from shoal_protos.records import EngineState, Keys, engine_record_decoder
@@ -90,8 +91,8 @@ class FleetConfig:
     larger blocks keep the stall of a long context near a short one's (the CPU build allows
     multiples of 32)."""
     max_model_len: int | None = 2048
-    dtype: str = "bfloat16"
-    """Weights and KV cache precision of the engines."""
+    dtype: str = field(default_factory=lambda: native_dtype(cpu_flags())[0])
+    """Weights and KV cache precision of the engines (bf16 where the CPU computes it natively)."""
     kv_cache_gib: int = 1
     """KV cache space per engine (``VLLM_CPU_KVCACHE_SPACE``)."""
     heartbeat_ttl_s: float = 3.0

@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from shoal_fleet.cpu import cpu_flags, native_dtype
 from shoal_fleet.launcher import Fleet, FleetConfig, FleetError, write_curve_key
 
 MODELS = {
@@ -45,8 +46,9 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
     parser.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
-        help="engine precision (default: bfloat16; float32 for the tiny model, whose small shapes "
-        "take a bf16 CPU kernel that dies on some AMX CPUs)",
+        help="engine precision (default: bfloat16 where the CPU computes it natively, else "
+        "float32; float32 for the tiny model, whose small shapes take a bf16 CPU kernel that "
+        "dies on some AMX CPUs)",
     )
     parser.add_argument("--run-dir", type=Path, default=Path(".cache/run"))
     parser.add_argument(
@@ -70,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         parser.error(f"no model at {path}; `make models` builds smollm2 and tiny")
     if args.engines < 1:
         parser.error("--engines must be at least 1")
+    if args.dtype:
+        dtype, why = args.dtype, "asked for"
+    elif args.model == "tiny":
+        dtype, why = "float32", "the tiny model's"
+    else:
+        dtype, why = native_dtype(cpu_flags())
+    print(f"engine dtype: {dtype} ({why})", flush=True)
     return FleetConfig(
         model_path=path.resolve(),
         served_model_name=args.served_model_name or name,
@@ -84,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         engine_kv_base_port=args.engine_base_port + 300,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
-        dtype=args.dtype or ("float32" if args.model == "tiny" else "bfloat16"),
+        dtype=dtype,
         restart=not args.no_restart,
         zmq_curve_key_file=write_curve_key(args.run_dir.resolve() / "fleet.key") if args.zmq_curve else None,
         enforce_eager=not args.compile,
