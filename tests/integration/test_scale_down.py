@@ -146,7 +146,9 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
 
     # A stall of this machine that holds the test up longer than a stream lasts lets the
     # leaving engine's streams end before the drain reaches it: such a try shows nothing, so the
-    # streams are checked and the next try starts (at most three).
+    # streams are checked and the next try starts (at most three). Each try's streams are
+    # listed by engine for the failure message.
+    tries: list[dict[int, str]] = []
     for _attempt in range(3):
         # The router sends nothing to an engine that is draining or whose reports stopped (an
         # earlier test can hold an engine's event loop up for seconds), so the six streams
@@ -162,13 +164,13 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
         # moment: the streams start once the router reads Redis again and sees both engines.
         wait_until(lambda: _router_sees(smol_fleet, engines), STALL_S, "the router seeing both engines")
         done = await _drain_while_streaming(
-            smol_fleet, client, cluster, engines, prompts, references, asked_by
+            smol_fleet, client, cluster, engines, prompts, references, asked_by, tries
         )
         if done is not None:
             victim, drained_at = done
             break
     else:
-        pytest.fail("in three tries no drain met streams on both engines")
+        pytest.fail(f"in three tries no drain met streams on both engines (streams' engines: {tries})")
 
     # No pod deletion followed: the engine serves again by itself.
     wait_until(
@@ -187,6 +189,7 @@ async def _drain_while_streaming(
     prompts: list[list[int]],
     references: list[list[int]],
     asked_by: str,
+    tries: list[dict[int, str]],
 ) -> tuple[str, float] | None:
     """Start the streams, drain the engine the operator would remove, check every stream and the
     drain's migration records. Returns the drained engine and when its drain ended, or None when
@@ -194,6 +197,7 @@ async def _drain_while_streaming(
     came (every stream still checked)."""
     started = asyncio.Event()
     on: dict[int, str] = {}
+    tries.append(on)
     request_ids: dict[int, str] = {}
 
     async def streamed(i: int) -> list[int]:
