@@ -17,12 +17,6 @@ PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 MODEL_STAMPS := $(MODELS_DIR)/SmolLM2-135M-Instruct/.shoal-complete $(MODELS_DIR)/tiny-llama/.shoal-complete
 PYTEST_ARGS ?=
 export VLLM_TARGET_DEVICE := cpu
-# The migration bench's client runs with its session's CPU weight raised ten times (a Linux
-# autogroup: each session shares the CPU as one; the fleet it starts runs in a session of its
-# own). On two cores the engines' workers, pinned one to each, otherwise left the client
-# runnable for minutes with a few seconds of CPU (docs/benchmarks.md, 2026-12-06). Needs root
-# and autogroups; without them nothing changes.
-CLIENT_FIRST := { echo -10 > /proc/self/autogroup; } 2>/dev/null || true;
 
 .PHONY: help
 help: ## List the targets
@@ -149,7 +143,7 @@ bench-requests: setup ## Short requests per second through one router, its CPU p
 
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
-	$(CLIENT_FIRST) $(PY) bench/migration.py $(BENCH_ARGS)
+	$(PY) bench/migration.py $(BENCH_ARGS)
 
 .PHONY: bench-allocator
 bench-allocator: setup models ## CPU engine steps with glibc's allocator vs tcmalloc, side by side; writes docs/benchmarks.md

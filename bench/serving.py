@@ -669,7 +669,12 @@ class VllmServer:
         say(f"  command: {' '.join(self.command())} (log {self.log_path})")
         with self.log_path.open("wb") as log:
             self._proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                # Its own process group, in this session: see ``Fleet.start`` on why not a session.
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                process_group=0,
             )
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -733,9 +738,7 @@ class VllmRouterTarget:
         ]  # fmt: skip
         say(f"  command: {' '.join(command)} (log {self.log_path})")
         with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, process_group=0)
         while not http_ok(self.base_url + "/health"):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"vllm-router exited with {self._proc.returncode}; see {self.log_path}")

@@ -350,7 +350,15 @@ class Fleet:
     def log_dir(self) -> Path:
         return self.cfg.run_dir / "logs"
 
-    def start(self, new_session: bool = True) -> None:
+    def start(self, own_group: bool = True) -> None:
+        """Start supervisord and through it the fleet. ``own_group``: in a process group of its
+        own, so that a Ctrl-C at the terminal reaches only the caller, which stops the fleet in
+        order (``make run`` passes False: its fleet takes the signals with it).
+
+        The fleet stays in its caller's session either way. Linux's autogroup scheduling shares
+        the CPUs out by session first; in a session of its own, a fleet decoding on every core
+        can leave its caller (a test, a benchmark's client) unscheduled for seconds on some
+        kernels, where in one session the scheduler weighs each thread against the others."""
         cfg = self.cfg
         self.log_dir.mkdir(parents=True, exist_ok=True)
         conf = cfg.run_dir / "supervisord.conf"
@@ -364,7 +372,7 @@ class Fleet:
             f"starting {cfg.engines} engine(s) of {cfg.served_model_name}, tokenizer, Redis and "
             f"router (logs in {self.log_dir})"
         )
-        self._proc = subprocess.Popen([supervisord, "-c", str(conf)], start_new_session=new_session)
+        self._proc = subprocess.Popen([supervisord, "-c", str(conf)], process_group=0 if own_group else None)
 
     def _check_alive(self) -> None:
         if self._proc is not None and self._proc.poll() is not None:

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: fleet.terminate())
     try:
-        fleet.start(new_session=False)
+        fleet.start(own_group=False)
         fleet.wait_ready()
     except FleetError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
