@@ -90,7 +90,7 @@ def run(
         chosen = scheduler.pick(ask, views)
         timing.ns.append(clock() - started)
         assert chosen is not None
-        chosen.sent(ask.prompt_blocks)
+        chosen.sent(ask.blocks_on(chosen))
         chosen.inflight = 0  # the bench's requests end at once: only the reports count them
 
 

@@ -79,6 +79,7 @@ def _config(
     offset: int,
     dtype: str = "bfloat16",
     max_model_len: int = 2048,
+    kv_block_size: int = 32,
 ) -> FleetConfig:
     return FleetConfig(
         dtype=dtype,
@@ -97,9 +98,7 @@ def _config(
         engine_control_base_port=16200 + 10 * offset,
         engine_kv_base_port=16300 + 10 * offset,
         enforce_eager=True,
-        # The CPU build's smallest blocks: the tests' short streams then span several blocks,
-        # so their moves pre-copy full blocks before the stop.
-        kv_block_size=32,
+        kv_block_size=kv_block_size,
         restart=False,
         heartbeat_ttl_s=3.0,
         # Room for a frozen engine, woken, to write its heartbeat again on a loaded machine.
@@ -120,12 +119,23 @@ def _fleets(
         # unscheduled for a few seconds (the tiny model decodes 2,000 tokens in about as long).
         # float32: on CPUs with AMX, vLLM's CPU build dies with SIGILL on the tiny model's first
         # bf16 step (its small shapes take a kernel SmolLM2's do not).
+        # 128-token blocks, the fleet's default: the router counts each engine's demand in them.
         "tiny": _config(
-            "tiny", "tiny-llama", TINY, run_dir, engines=2, offset=0, max_model_len=8192, dtype="float32"
+            "tiny",
+            "tiny-llama",
+            TINY,
+            run_dir,
+            engines=2,
+            offset=0,
+            max_model_len=8192,
+            dtype="float32",
+            kv_block_size=128,
         ),
         # float32: greedy decoding in bf16 is not batch-invariant (a near-tie flips with the
         # shape of the batch, and many concurrent streams moving between engines change it);
         # in float32 such ties are some ten thousand times rarer.
+        # The CPU build's smallest blocks (32 tokens): the tests' short streams then span several
+        # blocks, so their moves pre-copy full blocks before the stop.
         "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=2, offset=1, dtype="float32"),
     }
     # The SmolLM2 fleet speaks CURVE between its router and engines (every test on it runs

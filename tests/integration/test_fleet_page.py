@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.support import RunningFleet, in_flight, model_frozen, wait_until
+from tests.integration.support import RunningFleet, fleet_state, in_flight, model_frozen, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +108,16 @@ def test_fleet_page_shows_both_engines_and_a_request_in_flight(
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])
     assert (width, height) == (1280, 800) and len(png) > 10_000
+
+
+@pytest.mark.parametrize("name", ["tiny", "smol"])
+def test_each_engine_publishes_its_kv_block_size(request: pytest.FixtureRequest, name: str) -> None:
+    """vLLM's block size reaches the engine's record (the unit of its KV block counts) and the
+    router's view: 128 tokens on the tiny fleet (the fleet's default), 32 on SmolLM2's."""
+    fleet: RunningFleet = request.getfixturevalue(f"{name}_fleet")
+    assert fleet.cfg.kv_block_size == {"tiny": 128, "smol": 32}[name]
+    for i in range(fleet.cfg.engines):
+        record = fleet.engine_record(fleet.cfg.engine_id(i))
+        assert record is not None and record.kv_block_size == fleet.cfg.kv_block_size, record
+    engines = fleet_state(fleet.base_url)["engines"]
+    assert [e["block_size"] for e in engines] == [fleet.cfg.kv_block_size] * fleet.cfg.engines

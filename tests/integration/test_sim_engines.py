@@ -78,29 +78,33 @@ async def test_a_full_kv_cache_preempts_and_no_token_is_lost_or_repeated(sim_fle
     assert [ids for _, ids in crowded[:2]] == [ids for _, ids in alone]
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
 async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, block_size: int
 ) -> None:
-    """One engine of 64 KV blocks: a running request holding 38 of them leaves too little for a
-    second 25-block prompt (the router's hold, ``core.hold``), which waits at the router, not in
+    """One engine of 1,152 tokens of KV (72 blocks of 16 tokens, or 9 of 128): a running request
+    holding 600 of them leaves too little for a second 500-token prompt (the router's hold,
+    ``core.hold``, counting it in the engine's own blocks), which waits at the router, not in
     the engine, and goes out once the first request ends and the engine reports its blocks free."""
+    blocks = 1152 // block_size
     engine_args = [
-        "--model", "llama3-8b-a100", "--sim-speed", "0.5", "--sim-kv-blocks", str(KV_BLOCKS),
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
+        "--model", "llama3-8b-a100", "--sim-speed", "0.5", "--sim-kv-blocks", str(blocks),
+        "--block-size", str(block_size), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
     ]  # fmt: skip
     with start_sim_fleet(
         tmp_path, "sim-hold", MODEL, engine_args, router_args=("--hold-max", "60"), engines=1
     ) as fleet:
         client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        first = asyncio.create_task(_stream(client, list(range(2000, 2600)), 400))  # 38 blocks
+        first = asyncio.create_task(_stream(client, list(range(2000, 2600)), 400))
 
         def reported() -> bool:
             # The engine's load report shows the first request running, with its blocks.
             (engine,) = fleet_state(fleet.url)["engines"]
-            return bool(engine["running"] == 1 and engine["kv_usage"] >= 38 / KV_BLOCKS)
+            assert (engine["block_size"], engine["kv_blocks"]) == (block_size, blocks)
+            return bool(engine["running"] == 1 and engine["kv_usage"] >= -(-600 // block_size) / blocks)
 
         await asyncio.to_thread(wait_until, reported, STALL_S, "a load report with the first request")
-        second = asyncio.create_task(_stream(client, list(range(3000, 3400)), 300))  # 25 blocks
+        second = asyncio.create_task(_stream(client, list(range(3000, 3500)), 300))
         await asyncio.to_thread(
             wait_until,
             lambda: metric(fleet.url, "shoal_router_requests_held") == 1,
@@ -114,6 +118,24 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
         assert len(first_ids) == 400 and len(second_ids) == 300
         assert metric(fleet.url, "shoal_router_requests_held") == 0
         # It went out because the blocks came back, not because its wait ran out.
+        assert metric(fleet.url, "shoal_router_hold_expired_total") == 0
+
+
+async def test_a_prompt_that_fits_an_engine_of_large_blocks_is_not_held(tmp_path: pathlib.Path) -> None:
+    """An engine of 32 blocks of 128 tokens (the CPU build's size): a 1,000-token prompt takes 8
+    of them and goes out at once. (Counted in 16-token blocks it would take 63, more than the
+    engine has: the router would hold it until its wait ran out.)"""
+    engine_args = [
+        "--model", "llama3-8b-a100", "--sim-speed", "4", "--sim-kv-blocks", "32", "--block-size", "128",
+        "--max-model-len", "4096", "--max-num-seqs", "16",
+    ]  # fmt: skip
+    with start_sim_fleet(
+        tmp_path, "sim-big-blocks", MODEL, engine_args, router_args=("--hold-max", "60"), engines=1
+    ) as fleet:
+        client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        engine, ids = await asyncio.wait_for(_stream(client, list(range(5000, 6000)), 20), 2 * STALL_S)
+        assert (engine, len(ids)) == ("sim-0", 20)
+        # Held, it would have gone out only once its wait ran out.
         assert metric(fleet.url, "shoal_router_hold_expired_total") == 0
 
 

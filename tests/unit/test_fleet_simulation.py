@@ -3,6 +3,10 @@ as they should (load-aware dispatch evens the load out; balancing moves requests
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from shoal_engine.sim_backend import SimConfig
 from shoal_fleet.simulation import Fleet, Simulation, Workload
 from shoal_router.core.hold import HoldPolicy
@@ -12,12 +16,25 @@ SIM = SimConfig(
     model="llama2-7b-a10", kv_blocks=512, max_num_seqs=64, max_batched_tokens=4096, max_model_len=4096
 )
 BUSY = Workload(rate=7.0, requests=300, seed=3)
+BLOCK_SIZES = [16, 32, 128]
+"""The simulated engines' block sizes the policies are tried with: vLLM's default, the tests'
+fleets' and the CPU build's (the same KV cache in tokens each time)."""
+
+
+def blocks_of(block_size: int) -> SimConfig:
+    """``SIM`` with blocks of ``block_size`` tokens, as many tokens of KV cache in all."""
+    tokens = SIM.kv_blocks * SIM.block_size
+    return dataclasses.replace(SIM, block_size=block_size, kv_blocks=tokens // block_size)
+
+
 BALANCE = BalancePolicy(threshold=0.01, patience=1, cooldown_s=1.0, max_concurrent=4)
 
 
-def _run(scheduler: str, migrate: bool = False, workload: Workload = BUSY) -> dict[str, float]:
+def _run(
+    scheduler: str, migrate: bool = False, workload: Workload = BUSY, sim: SimConfig = SIM
+) -> dict[str, float]:
     fleet = Fleet(
-        engines=4, sim=SIM, scheduler=scheduler, migrate=migrate, balance=BALANCE, balance_interval_s=0.2
+        engines=4, sim=sim, scheduler=scheduler, migrate=migrate, balance=BALANCE, balance_interval_s=0.2
     )
     return Simulation(fleet, workload).run().summary()
 
@@ -39,10 +56,16 @@ def test_the_workload_is_heavy_tailed_and_within_the_context() -> None:
     assert all(p + o <= 4096 and o >= 1 for _, p, o in draw)
 
 
-def test_every_request_completes_with_all_its_tokens() -> None:
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_every_request_completes_with_all_its_tokens(block_size: int) -> None:
     workload = Workload(rate=7.0, requests=300, seed=3)
     fleet = Fleet(
-        engines=4, sim=SIM, scheduler="least_load", migrate=True, balance=BALANCE, balance_interval_s=0.2
+        engines=4,
+        sim=blocks_of(block_size),
+        scheduler="least_load",
+        migrate=True,
+        balance=BALANCE,
+        balance_interval_s=0.2,
     )
     result = Simulation(fleet, workload).run()
     assert len(result.ttft) == 300
@@ -50,17 +73,22 @@ def test_every_request_completes_with_all_its_tokens() -> None:
     assert all(t >= 0 for t in result.ttft)
 
 
-def test_load_aware_dispatch_preempts_less_than_round_robin_under_load() -> None:
-    round_robin, least_load = _run("round_robin"), _run("least_load")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_load_aware_dispatch_preempts_less_than_round_robin_under_load(block_size: int) -> None:
+    sim = blocks_of(block_size)
+    round_robin, least_load = _run("round_robin", sim=sim), _run("least_load", sim=sim)
     assert least_load["preemptions"] < round_robin["preemptions"]
     assert least_load["ttft_p99_s"] < round_robin["ttft_p99_s"]
 
 
-def test_holding_requests_while_the_fleet_is_short_of_kv_preempts_less_and_waits_at_most_its_bound() -> None:
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_holding_requests_while_the_fleet_is_short_of_kv_preempts_less_and_waits_at_most_its_bound(
+    block_size: int,
+) -> None:
     workload = Workload(rate=7.0, requests=300, seed=3)
     results = {}
     for name, hold in (("sent at once", None), ("held", HoldPolicy(below=2.0, max_s=1.0))):
-        fleet = Fleet(engines=4, sim=SIM, scheduler="least_load", hold=hold)
+        fleet = Fleet(engines=4, sim=blocks_of(block_size), scheduler="least_load", hold=hold)
         results[name] = Simulation(fleet, workload).run()
     sent, held = results["sent at once"], results["held"]
     assert held.preemptions < sent.preemptions

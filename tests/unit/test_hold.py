@@ -59,9 +59,9 @@ class Sent:
         self.failed: dict[str, Exception] = {}
         self.order: list[str] = []
 
-    def send(self, name: str, blocks: int):  # type: ignore[no-untyped-def]
+    def send(self, name: str, request: Ask):  # type: ignore[no-untyped-def]
         def send(view: EngineView) -> None:
-            view.sent(blocks)
+            view.sent(request.blocks_on(view))
             self.to[name] = view.engine_id
             self.order.append(name)
 
@@ -89,7 +89,7 @@ def line_over(views: list[EngineView], policy: HoldPolicy, profile: str = "least
 
 def offer(line: HoldLine, sent: Sent, name: str, prompt_tokens: int, now: float):  # type: ignore[no-untyped-def]
     request = ask(prompt_tokens)
-    return line.offer(request, now, sent.send(name, request.prompt_blocks), sent.fail(name))
+    return line.offer(request, now, sent.send(name, request), sent.fail(name))
 
 
 def test_freeness_after_is_the_views_freeness_once_the_prompt_is_sent() -> None:

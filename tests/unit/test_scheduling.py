@@ -10,9 +10,10 @@ import pytest
 
 from shoal_protos.records import EngineRecord, EngineState, LoadReport
 from shoal_router.config import RouterConfig
-from shoal_router.core.dispatch import EngineView
+from shoal_router.core.dispatch import DEFAULT_BLOCK_SIZE, EngineView
+from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.scheduling import (
-    BLOCK_SIZE,
+    PREFIX_BLOCK_TOKENS,
     Ask,
     BoundedRing,
     Scheduler,
@@ -36,11 +37,14 @@ def view(
     inflight: int = 0,
     state: EngineState = EngineState.ACTIVE,
     reserved: int = 0,
+    block_size: int = 0,
 ) -> EngineView:
-    """An engine of ``total`` KV blocks; ``running=None``: no load report read yet."""
+    """An engine of ``total`` KV blocks of ``block_size`` tokens (0: not said);
+    ``running=None``: no load report read yet."""
     record = EngineRecord(
         engine_id=engine_id, model="m", zmq_address="tcp://h:1", http_address="http://h:1", state=state,
         max_model_len=4096, protocol_version=1, started_at=0.0, kv_blocks_total=total,
+        kv_block_size=block_size,
     )  # fmt: skip
     report = None
     if running is not None:
@@ -80,13 +84,34 @@ def test_unreachable_and_failed_engines_are_left_out() -> None:
 
 
 def test_engines_without_room_for_the_prompt_are_left_out_unless_none_has_room() -> None:
-    prompt = ask(tokens=40 * BLOCK_SIZE)  # 40 blocks
+    prompt = ask(tokens=40 * DEFAULT_BLOCK_SIZE)  # 40 blocks of an engine that does not say its size
     # a has the most room per slot, but not 40 free blocks once this router's pending ones count.
     full = view("a", running=0, kv_used=970, total=1000)
     roomy = view("b", running=30, kv_used=500, total=1000)
     assert pick(Scheduler(), [full, roomy], prompt) == "b"
     tight = view("c", running=30, kv_used=990, total=1000, pending=5)
     assert pick(Scheduler(), [full, tight], prompt) == "a"  # nobody has room: best freeness, vLLM queues
+
+
+def test_a_prompts_demand_is_counted_in_each_engines_own_blocks() -> None:
+    prompt = ask(tokens=1000)  # 63 blocks of 16 tokens, 32 of 32, 8 of 128
+    cpu = view("cpu", running=0, kv_used=980, total=1000, block_size=128)  # 20 free: 2,560 tokens
+    gpu = view("gpu", running=0, kv_used=980, total=1000, block_size=32)  # 20 free: 640 tokens
+    assert (prompt.blocks_on(cpu), prompt.blocks_on(gpu), prompt.blocks_on(view("old"))) == (8, 32, 63)
+    # Only the 128-token engine has room for it, and it is placed there on every pick.
+    assert {pick(Scheduler(rng=random.Random(i)), [gpu, cpu], prompt) for i in range(20)} == {"cpu"}
+    # The hold line weighs the same blocks: 12 left for 2 slots on the 128-token engine; the
+    # 32-token one would be oversubscribed.
+    policy = HoldPolicy(below=2.0)
+    assert policy.room(cpu, prompt) and not policy.room(gpu, prompt)
+    # What the router sent counts in the engine's blocks too.
+    cpu.sent(prompt.blocks_on(cpu))
+    assert cpu.room == 20 - 8
+    # Engines are compared in tokens: 10 free blocks of 128 tokens beat 30 of 32.
+    fewer = view("cpu", running=0, kv_used=990, total=1000, block_size=128)
+    more = view("gpu", running=0, kv_used=970, total=1000, block_size=32)
+    assert pick(Scheduler(), [more, fewer], ask(tokens=100)) == "cpu"
+    assert Scheduler().roomiest(ask(tokens=100), [more, fewer]) is fewer
 
 
 # ---- least load: freeness -----------------------------------------------------------------
@@ -179,16 +204,16 @@ def test_bounded_ring_is_consistent_and_bounded() -> None:
 def test_prefix_affinity_sends_a_shared_prefix_to_one_engine() -> None:
     views = [view(f"e{i}") for i in range(4)]
     scheduler = Scheduler("prefix_affinity", prefix_blocks=2)
-    system = list(range(1000, 1000 + 2 * BLOCK_SIZE))
+    system = list(range(1000, 1000 + 2 * PREFIX_BLOCK_TOKENS))
     chosen = {pick(scheduler, views, Ask("m", [*system, 7, 8, 9 + i])) for i in range(20)}
     assert len(chosen) == 1  # the questions differ, the system prompt does not
     # Different prefixes spread over the engines.
-    spread = {pick(scheduler, views, ask(tokens=2 * BLOCK_SIZE, first=100 * i)) for i in range(40)}
+    spread = {pick(scheduler, views, ask(tokens=2 * PREFIX_BLOCK_TOKENS, first=100 * i)) for i in range(40)}
     assert len(spread) == 4
 
 
 def test_prefix_affinity_gives_way_when_its_engine_is_overloaded() -> None:
-    system = list(range(2 * BLOCK_SIZE))
+    system = list(range(2 * PREFIX_BLOCK_TOKENS))
     scheduler = Scheduler("prefix_affinity", prefix_blocks=2)
     views = [view(f"e{i}") for i in range(4)]
     home = pick(scheduler, views, Ask("m", system))
@@ -197,10 +222,10 @@ def test_prefix_affinity_gives_way_when_its_engine_is_overloaded() -> None:
 
 
 def test_a_prompt_under_one_block_has_no_prefix_key() -> None:
-    assert prefix_key(4)(ask(tokens=BLOCK_SIZE - 1)) is None
-    assert prefix_key(4)(ask(tokens=BLOCK_SIZE)) is not None
+    assert prefix_key(4)(ask(tokens=PREFIX_BLOCK_TOKENS - 1)) is None
+    assert prefix_key(4)(ask(tokens=PREFIX_BLOCK_TOKENS)) is not None
     # Only the first blocks count.
-    long_a, long_b = ask(tokens=10 * BLOCK_SIZE), Ask("m", [*range(4 * BLOCK_SIZE), 99, 98])
+    long_a, long_b = ask(tokens=10 * PREFIX_BLOCK_TOKENS), Ask("m", [*range(4 * PREFIX_BLOCK_TOKENS), 99, 98])
     assert prefix_key(4)(long_a) == prefix_key(4)(long_b)
 
 

@@ -46,6 +46,9 @@ class EngineRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     state: EngineState = EngineState.ACTIVE
     max_model_len: int
     kv_blocks_total: int = 0
+    # Tokens per KV block (vLLM's block size), the unit of ``kv_blocks_total`` and of the load
+    # reports' block counts; 0: not said (an engine from before it was), taken as 16.
+    kv_block_size: int = 0
     # Requests the engine runs at once (its batch slots); 0: not said.
     max_num_seqs: int = 0
     pid: int = 0

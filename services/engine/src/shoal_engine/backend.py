@@ -17,6 +17,8 @@ from shoal_protos.messages import FinishReason, SamplingOptions
 class BackendInfo:
     max_model_len: int
     kv_blocks_total: int
+    kv_block_size: int
+    """Tokens per KV block: the unit of ``kv_blocks_total`` and of the load's block counts."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -406,6 +406,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
         http_address=config.http_address,
         max_model_len=info.max_model_len,
         kv_blocks_total=info.kv_blocks_total,
+        kv_block_size=info.kv_block_size,
         max_num_seqs=config.max_num_seqs,
         pid=os.getpid(),
         hostname=socket.gethostname(),

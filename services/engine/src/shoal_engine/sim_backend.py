@@ -423,7 +423,11 @@ class SimulatedBackend:
             self.config.block_size,
             self.config.speed,
         )
-        return BackendInfo(max_model_len=self.config.max_model_len, kv_blocks_total=self.config.kv_blocks)
+        return BackendInfo(
+            max_model_len=self.config.max_model_len,
+            kv_blocks_total=self.config.kv_blocks,
+            kv_block_size=self.config.block_size,
+        )
 
     async def generate(
         self,

@@ -269,6 +269,7 @@ class VllmBackend:
         return BackendInfo(
             max_model_len=vllm_config.model_config.max_model_len,
             kv_blocks_total=self._load.kv_blocks_total,
+            kv_block_size=vllm_config.cache_config.block_size,
         )
 
     async def generate(

@@ -241,7 +241,8 @@ class Simulation:
         return EngineRecord(
             engine_id=f"engine-{index:03d}", model="m", zmq_address="", http_address="",
             max_model_len=self.fleet.sim.max_model_len, protocol_version=1, started_at=0.0,
-            kv_blocks_total=self.fleet.sim.kv_blocks, control_address="sim",
+            kv_blocks_total=self.fleet.sim.kv_blocks, kv_block_size=self.fleet.sim.block_size,
+            control_address="sim",
             max_num_seqs=self.fleet.sim.max_num_seqs,
         )  # fmt: skip
 
@@ -299,7 +300,7 @@ class Simulation:
 
         def send(view: EngineView) -> None:
             engine = self._by_id[view.engine_id]
-            view.sent(ask.prompt_blocks, now=self.now)
+            view.sent(ask.blocks_on(view), now=self.now)
             self._received[engine] += 1  # dispatch is instantaneous: the engine has it now
             request = SimRequest(f"r{number}", prompt, output)
             self._tracked[request.request_id] = _Tracked(

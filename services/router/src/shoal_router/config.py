@@ -86,7 +86,11 @@ class RouterConfig(BaseModel):
     ``prefix_affinity=2,least_load=1`` (see ``core.scheduling``)."""
 
     prefix_blocks: int = Field(default=4, ge=1, le=1024)
-    """Prompt blocks (16 tokens each) that prefix affinity keys on."""
+    """Prompt blocks (``prefix_block_tokens`` tokens each) that prefix affinity keys on."""
+
+    prefix_block_tokens: int = Field(default=16, ge=1, le=4096)
+    """Tokens per block of prefix affinity's hash: a unit of the hash alone, whatever the
+    engines' KV block size (each engine's own counts a prompt's KV demand)."""
 
     session_header: str = Field(default="x-session-id", min_length=1, pattern=r"^[A-Za-z0-9\-]+$")
     """The request header session affinity keys on."""

@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "(prefix_affinity=2,least_load=1)",
     )
     parser.add_argument("--prefix-blocks", type=int, default=4, help="prompt blocks prefix affinity keys on")
+    parser.add_argument(
+        "--prefix-block-tokens", type=int, default=16, help="tokens per block of prefix affinity's hash"
+    )
     parser.add_argument("--session-header", default="x-session-id", help="header session affinity keys on")
     parser.add_argument(
         "--hold-below",
@@ -161,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         key_tokens_per_minute=args.key_tpm,
         scheduler=args.scheduler,
         prefix_blocks=args.prefix_blocks,
+        prefix_block_tokens=args.prefix_block_tokens,
         session_header=args.session_header,
         hold_below=args.hold_below,
         hold_max_s=args.hold_max,
@@ -226,7 +230,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         config.max_dispatch_attempts,
         config.max_queued_requests,
         config.queue_timeout_s,
-        Scheduler(config.scheduler, config.prefix_blocks),
+        Scheduler(config.scheduler, config.prefix_blocks, prefix_block_tokens=config.prefix_block_tokens),
         config.session_header,
         HoldPolicy(config.hold_below, config.hold_max_s),
     )

@@ -29,6 +29,8 @@ async def fleet_state(router_id: str, fleet: FleetView, engines: EngineClient) -
                 "running": report.num_running if report else 0,
                 "waiting": report.num_waiting if report else 0,
                 "kv_usage": view.kv_usage,
+                "kv_blocks": view.record.kv_blocks_total,
+                "block_size": view.block_size,
                 "step_ms": report.step_time_ms if report else 0.0,
                 "inflight_here": view.inflight,
             }

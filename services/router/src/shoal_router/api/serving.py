@@ -269,7 +269,7 @@ class GenerationHandle:
         gen.engines.add(view.engine_id, add, self.collector)
         self._attempts += 1
         self._view = view
-        view.sent(ask.prompt_blocks)
+        view.sent(ask.blocks_on(view))
         if self._attempts == 1:
             gen.inflight += 1
             self._metrics.prompt_tokens.inc(self.prompt_tokens)

@@ -23,6 +23,8 @@ T = TypeVar("T")
 ACTIVE = EngineState.ACTIVE
 UNKNOWN_ROOM = 1 << 62
 """``room`` of an engine whose KV size nobody reported yet: room for anything."""
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block of an engine whose record does not say (vLLM's default on GPUs)."""
 UNREPORTED_FOR_S = 2.0
 """A send no report covered within this long is taken as covered anyway (the engine restarted
 at the same address and counts from zero again, say), so it cannot weigh on dispatch for good."""
@@ -58,12 +60,17 @@ class EngineView:
     emptied for consolidation), ``held`` (requests, see ``requests``),
     ``room`` (free KV blocks not yet claimed by prompts sent since the report) and ``free``
     (Llumnix's freeness, see ``freeness``).
+
+    Every block count is in the engine's own blocks (``block_size`` tokens each, from its
+    record): engines of one fleet may differ (128 tokens on CPUs, 16 or 32 on GPUs), and a
+    prompt's demand is counted in the blocks of the engine it is weighed for (``blocks``), and
+    engines are compared by ``free_tokens``, their freeness in tokens.
     """
 
     __slots__ = (
         "_connected", "_emptying", "_inflight", "_pending_blocks", "_record", "_reply_to", "_report",
-        "_sends", "_sent", "_sent_since_report", "_silent", "dispatchable", "free", "held", "room",
-        "usable",
+        "_sends", "_sent", "_sent_since_report", "_silent", "block_size", "dispatchable", "free",
+        "free_tokens", "held", "room", "usable",
     )  # fmt: skip
 
     def __init__(
@@ -97,12 +104,13 @@ class EngineView:
         # Whether its record expired (no heartbeat) within the last ``silence_grace_s``: its
         # requests stay, but it gets no new ones (``FleetView``).
         self._silent = silent
-        self.usable = self.dispatchable = self.held = self.room = 0
-        self.free = 0.0
+        self.usable = self.dispatchable = self.held = self.room = self.block_size = 0
+        self.free = self.free_tokens = 0.0
         self._derive()
 
     def _derive(self) -> None:
         record, report = self._record, self._report
+        self.block_size = record.kv_block_size or DEFAULT_BLOCK_SIZE
         self.usable = record.state is ACTIVE and self._connected and not self._silent
         self.dispatchable = self.usable and not self._emptying
         total = record.kv_blocks_total
@@ -110,6 +118,7 @@ class EngineView:
             self.held = max(self._sent_since_report, self._inflight)
             self.room = total - self._pending_blocks if total else UNKNOWN_ROOM
             self.free = (total - self._pending_blocks) / (self.held + 1)
+            self.free_tokens = self.free * self.block_size
             return
         running, waiting, used = report.num_running, report.num_waiting, report.kv_blocks_used
         self.held = max(running + waiting + self._sent_since_report, self._inflight)
@@ -121,6 +130,7 @@ class EngineView:
         total = total or used + report.kv_blocks_free
         taken = used + report.kv_blocks_reserved + self._pending_blocks + queued
         self.free = (total - taken) / (self.held + 1)
+        self.free_tokens = self.free * self.block_size
 
     record: _Input[EngineRecord] = _Input()
     connected: _Input[bool] = _Input()
@@ -133,6 +143,10 @@ class EngineView:
     @property
     def report(self) -> LoadReport | None:
         return self._report
+
+    def blocks(self, tokens: int) -> int:
+        """The KV blocks ``tokens`` tokens take on this engine."""
+        return -(-tokens // self.block_size)
 
     def sent(self, blocks: int, now: float | None = None) -> None:
         """This router sent the engine a request whose prompt takes ``blocks`` KV blocks."""

@@ -42,7 +42,7 @@ class HoldPolicy:
         there is nothing to wait for."""
         if not kv_known(view):
             return True
-        return freeness_after(view, ask.prompt_blocks) >= self.below
+        return freeness_after(view, ask.blocks_on(view)) >= self.below
 
 
 def kv_known(view: EngineView) -> bool:

@@ -15,16 +15,18 @@ Scorers:
 
 * ``least_load``: Llumnix's *freeness*, the KV blocks an engine has left after what its batch
   already holds and will soon need, per batch slot: ``(total - used - pending - queued) /
-  (requests + 1)``. ``pending`` is the prompt blocks this router sent since the engine's last
+  (requests + 1)``, compared across engines in tokens (each engine's blocks counted in its own
+  block size). ``pending`` is the prompt blocks this router sent since the engine's last
   load report (the report cannot know them yet), ``queued`` the waiting requests' demand
   (estimated at the engine's mean blocks per running request). Scaled to [0, 1] over the
   candidates.
 * ``prefix_affinity``: requests whose prompts start with the same blocks go to the same engine,
   where vLLM's prefix cache already holds them. The key is a hash of the prompt's first
-  ``prefix_blocks`` full blocks; consistent hashing with bounded load (Mirrokni, Thorup and
-  Zaderidis) maps it to an engine: walk the ring of engines from the key and take the first
-  whose load is under ``(1 + epsilon)`` times the mean. That engine scores 1, the others 0. The
-  ring depends only on the engine ids, so every router maps a prefix to the same engine.
+  ``prefix_blocks`` full blocks (of ``prefix_block_tokens`` tokens, a unit of the hash alone);
+  consistent hashing with bounded load (Mirrokni, Thorup and Zaderidis) maps it to an engine:
+  walk the ring of engines from the key and take the first whose load is under
+  ``(1 + epsilon)`` times the mean. That engine scores 1, the others 0. The ring depends only
+  on the engine ids, so every router maps a prefix to the same engine.
 * ``session_affinity``: the same ring keyed by the request's session header, so a
   conversation's turns meet their cached history.
 
@@ -49,8 +51,10 @@ from shoal_protos.records import EngineState
 from shoal_router.core.dispatch import EngineView
 
 ACTIVE = EngineState.ACTIVE
-BLOCK_SIZE = 16
-"""Tokens per block of the prompt hashes (vLLM's default block size)."""
+PREFIX_BLOCK_TOKENS = 16
+"""Tokens per block of the prompt hashes (``prefix_key``) unless the router is told otherwise.
+A unit of the hash only, apart from the engines' KV blocks (each engine's own size counts a
+prompt's KV demand, ``EngineView.blocks``)."""
 PRUNE_AFTER = 1000
 """Decisions between two prunings of departed engines from an affinity ring."""
 
@@ -64,9 +68,9 @@ class Ask:
     session: str | None = None
     exclude: frozenset[str] | set[str] = frozenset()
 
-    @property
-    def prompt_blocks(self) -> int:
-        return -(-len(self.prompt_token_ids) // BLOCK_SIZE)
+    def blocks_on(self, view: EngineView) -> int:
+        """The KV blocks the prompt takes on the engine of ``view`` (in that engine's blocks)."""
+        return view.blocks(len(self.prompt_token_ids))
 
 
 Filter = Callable[[Ask, list[EngineView]], list[EngineView]]
@@ -92,8 +96,7 @@ def dispatchable(ask: Ask, views: list[EngineView]) -> list[EngineView]:
 
 def kv_room(ask: Ask, views: list[EngineView]) -> list[EngineView]:
     """Engines with free KV blocks for the prompt; all of them when none has room."""
-    need = ask.prompt_blocks
-    return [v for v in views if v.room >= need] or views
+    return [v for v in views if v.room >= ask.blocks_on(v)] or views
 
 
 # ---- scorers ------------------------------------------------------------------------------
@@ -103,6 +106,13 @@ def freeness(view: EngineView) -> float:
     """Llumnix's freeness: KV blocks left per batch slot once what is running, sent and queued
     is counted (negative when the engine is oversubscribed); ``EngineView`` keeps it current."""
     return view.free
+
+
+def free_tokens(view: EngineView) -> float:
+    """Freeness in tokens (blocks times the engine's block size): what engines are compared by,
+    so that engines of different block sizes weigh alike (in a fleet of one block size the
+    order, and the scaled score, are freeness's own)."""
+    return view.free_tokens
 
 
 def _hash64(data: bytes) -> int:
@@ -172,15 +182,15 @@ class Affinity:
         return self.ring.owner(key, {v.engine_id: v.held for v in views})
 
 
-def prefix_key(prefix_blocks: int) -> Callable[[Ask], int | None]:
-    """The hash of the prompt's first ``prefix_blocks`` full blocks (fewer if the prompt is
-    shorter; None under one block: nothing worth caching)."""
+def prefix_key(prefix_blocks: int, block_tokens: int = PREFIX_BLOCK_TOKENS) -> Callable[[Ask], int | None]:
+    """The hash of the prompt's first ``prefix_blocks`` full blocks of ``block_tokens`` tokens
+    (fewer if the prompt is shorter; None under one block: nothing worth caching)."""
 
     def key(ask: Ask) -> int | None:
-        blocks = min(prefix_blocks, len(ask.prompt_token_ids) // BLOCK_SIZE)
+        blocks = min(prefix_blocks, len(ask.prompt_token_ids) // block_tokens)
         if blocks == 0:
             return None
-        head = array("q", ask.prompt_token_ids[: blocks * BLOCK_SIZE]).tobytes()
+        head = array("q", ask.prompt_token_ids[: blocks * block_tokens]).tobytes()
         return _hash64(ask.model.encode() + b"\0" + head)
 
     return key
@@ -239,7 +249,13 @@ def parse_weights(spec: str) -> dict[str, float]:
 class Scheduler:
     """Filters, weighted scorers and a picker, chosen by name (see the module docstring)."""
 
-    def __init__(self, profile: str = "least_load", prefix_blocks: int = 4, rng: random.Random | None = None):
+    def __init__(
+        self,
+        profile: str = "least_load",
+        prefix_blocks: int = 4,
+        rng: random.Random | None = None,
+        prefix_block_tokens: int = PREFIX_BLOCK_TOKENS,
+    ):
         self.name = profile
         spec = PROFILES.get(profile, profile)
         self.filters: list[Filter] = [dispatchable, kv_room]
@@ -253,7 +269,7 @@ class Scheduler:
             if name == "least_load":
                 self.load_weight = weight
             elif name == "prefix_affinity":
-                self.affinities.append((Affinity(prefix_key(prefix_blocks)), weight))
+                self.affinities.append((Affinity(prefix_key(prefix_blocks, prefix_block_tokens)), weight))
             else:
                 self.affinities.append((Affinity(session_key), weight))
 
@@ -287,7 +303,7 @@ class Scheduler:
         # least_load scores every engine (freeness scaled to [0, 1]) and affinities add to a
         # few: the winner is either one of those few or an engine of top freeness, so only they
         # are summed up.
-        free = [v.free for v in views]
+        free = [v.free_tokens for v in views]
         low, high = min(free), max(free)
         top = [v for v, f in zip(views, free, strict=True) if f >= high]
         if not favourites:
@@ -295,10 +311,10 @@ class Scheduler:
         span = high - low
 
         def total(view: EngineView) -> float:
-            scaled = (view.free - low) / span if span > 0 else 1.0
+            scaled = (view.free_tokens - low) / span if span > 0 else 1.0
             return self.load_weight * scaled + favourites.get(view.engine_id, 0.0)
 
-        contenders = top + [v for v in views if v.engine_id in favourites and v.free < high]
+        contenders = top + [v for v in views if v.engine_id in favourites and v.free_tokens < high]
         best = max(total(v) for v in contenders)
         return self._draw([v for v in contenders if total(v) >= best - 1e-12])
 
@@ -307,7 +323,7 @@ class Scheduler:
         the filters keep, whatever the profile's scorers prefer; None when none is left. Of
         equal engines the first: a fallback draws nothing from the picker's random numbers."""
         views = self._kept(ask, views)
-        return max(views, key=freeness) if views else None
+        return max(views, key=free_tokens) if views else None
 
     def _draw(self, tied: list[EngineView]) -> EngineView:
         """One of equally good engines, at random (equal engines share the load)."""
