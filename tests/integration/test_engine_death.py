@@ -15,6 +15,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.integration.support import (
@@ -34,10 +35,34 @@ TRIES_S = 240.0
 """How long the killed-engine test goes on starting streams until a kill meets one running."""
 
 
-def _kill_engine(pid: int) -> None:
-    """SIGKILL the engine and vLLM's processes under it, as when its pod dies (supervisord gives
-    each program its own process group)."""
-    os.killpg(os.getpgid(pid), signal.SIGKILL)
+REAPED_S = 10.0
+"""How soon after the engine's service process vLLM's processes under it must be gone."""
+
+
+def _kill_engine(pid: int) -> list[psutil.Process]:
+    """SIGKILL the engine's service process alone, as an OOM kill does; returns the processes
+    under it then (vLLM's, and the engine's reaper), which ``_assert_reaped`` sees end."""
+    tree = psutil.Process(pid).children(recursive=True)
+    assert any(p.name().startswith("VLLM") for p in tree), tree
+    os.kill(pid, signal.SIGKILL)
+    return tree
+
+
+def _assert_reaped(tree: list[psutil.Process]) -> None:
+    """Every process of a killed engine's tree ends within ``REAPED_S`` (a zombie has ended: its
+    new parent has yet to collect it)."""
+
+    def running(process: psutil.Process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    wait_until(
+        lambda: not any(running(p) for p in tree),
+        REAPED_S,
+        f"the killed engine's processes to end: {[p for p in tree if running(p)]}",
+    )
 
 
 def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
@@ -221,10 +246,11 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
         busiest = max(busy_at_kill, key=lambda e: busy_at_kill[e])
         if busy_at_kill[busiest]:  # else every stream finished first: the caller tries again
             victim = busiest
-            _kill_engine(records[victim].pid)
+            trees.append(_kill_engine(records[victim].pid))
         return victim
 
     resumed_before = _resumed(tiny_fleet)
+    trees: list[list[psutil.Process]] = []  # each killed engine's processes
     # A stream may still end within one slice of the models' run: when this machine leaves the
     # test's thread unscheduled, a slice lasts as long as that. Tries go on for TRIES_S.
     deadline = time.monotonic() + TRIES_S
@@ -248,6 +274,8 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     moved = [i for i in range(4) if engine_of[i] == victim]
     assert moved, (engine_of, victim)
     assert _resumed(tiny_fleet) - resumed_before >= 1
+    # Killed alone, the engine's service takes vLLM's processes with it.
+    _assert_reaped(trees[0])
 
     # The same request run whole on the survivor alone is the reference: every stream, moved or
     # not, has exactly its tokens (a lost token shifts the rest; a repeated one too).
@@ -296,7 +324,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
             f"{busy} running on {survivor}, router lists {in_flight(tiny_fleet)}"
         )
         if busy:
-            _kill_engine(records[survivor].pid)
+            trees.append(_kill_engine(records[survivor].pid))
             killed.append(time.monotonic())
         return busy
 
@@ -332,6 +360,7 @@ async def test_streams_of_a_killed_engine_go_on_elsewhere_exactly_once(tiny_flee
     assert reply_503.status_code == 503
     assert reply_503.json()["error"]["code"] == "no_engine"
     assert "retry-after" in reply_503.headers
+    _assert_reaped(trees[-1])
 
 
 def _resumed(fleet: RunningFleet) -> float:

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from shoal_engine import reaper
 from shoal_engine.backend import BackendDeadError, EngineBackend
 from shoal_engine.config import EngineConfig
 from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
@@ -547,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
             # vLLM's parser refused --vllm-args: one line, before anything loads.
             print(f"shoal-engine: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        # vLLM's processes must not outlive this one, however it ends (see ``reaper``).
+        reaper.start()
     try:
         code = uvloop.run(run(config, backend))
     finally:
