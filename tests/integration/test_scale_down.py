@@ -35,6 +35,7 @@ from tests.integration.support import (
     STALL_S,
     RunningFleet,
     async_client,
+    fleet_state,
     greedy_ids,
     model_frozen,
     model_processes,
@@ -148,7 +149,7 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
     # leaving engine's streams end before the drain reaches it: such a try shows nothing, so the
     # streams are checked and the next try starts (at most three). Each try's streams are
     # listed by engine for the failure message.
-    tries: list[dict[int, str]] = []
+    tries: list[str] = []
     for _attempt in range(3):
         # The router sends nothing to an engine that is draining or whose reports stopped (an
         # earlier test can hold an engine's event loop up for seconds), so the six streams
@@ -170,7 +171,7 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
             victim, drained_at = done
             break
     else:
-        pytest.fail(f"in three tries no drain met streams on both engines (streams' engines: {tries})")
+        pytest.fail("in three tries no drain met streams on both engines:\n" + "\n".join(tries))
 
     # No pod deletion followed: the engine serves again by itself.
     wait_until(
@@ -189,7 +190,7 @@ async def _drain_while_streaming(
     prompts: list[list[int]],
     references: list[list[int]],
     asked_by: str,
-    tries: list[dict[int, str]],
+    tries: list[str],
 ) -> tuple[str, float] | None:
     """Start the streams, drain the engine the operator would remove, check every stream and the
     drain's migration records. Returns the drained engine and when its drain ended, or None when
@@ -197,7 +198,6 @@ async def _drain_while_streaming(
     came (every stream still checked)."""
     started = asyncio.Event()
     on: dict[int, str] = {}
-    tries.append(on)
     request_ids: dict[int, str] = {}
 
     async def streamed(i: int) -> list[int]:
@@ -220,6 +220,12 @@ async def _drain_while_streaming(
     # came (a stall of Redis makes its heartbeat look late for a moment): then no drain runs,
     # every stream is still checked, and the test tries again.
     spread = set(on.values()) == set(engines)
+    # For the failure message: where the streams went, and the engines as the router saw them.
+    seen = [
+        {k: e[k] for k in ("id", "state", "running", "waiting", "kv_usage", "inflight_here")}
+        for e in fleet_state(fleet.base_url)["engines"]
+    ]
+    tries.append(f"{dict(sorted(on.items()))}, router: {seen}")
 
     # Both models are held still from here (every stream has had its first token; the models run
     # in short slices only until both engines report their streams) until the drain has taken
