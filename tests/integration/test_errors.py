@@ -96,6 +96,24 @@ def test_context_overflow_is_400_with_both_numbers(tiny_fleet: RunningFleet) -> 
     assert str(limit) in message and str(limit - 50) in message and "100" in message
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_over_the_tokenizers_limit_is_400(tiny_fleet: RunningFleet, path: str) -> None:
+    """Refused by the tokenizer before any work (``--max-input-chars``, 2,000,000 characters by
+    default), as a 400 naming the limit; the next request is served as ever."""
+    text = "lorem ipsum " * 170_000  # 2,040,000 characters
+    if path == "/v1/completions":
+        body: dict[str, object] = {"model": tiny_fleet.model, "prompt": text, "max_tokens": 1}
+    else:
+        body = {"model": tiny_fleet.model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    error = _error(_post(tiny_fleet, path, json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert "over this tokenizer's limit of 2,000,000" in str(error["message"]), error
+    reply = _post(
+        tiny_fleet, "/v1/completions", json={"model": tiny_fleet.model, "prompt": "hi", "max_tokens": 1}
+    )
+    assert reply.status_code == 200, reply.text
+
+
 def test_unknown_path_is_404_json(tiny_fleet: RunningFleet) -> None:
     _error(httpx.get(tiny_fleet.base_url + "/v1/nothing", timeout=STALL_S), 404)
 

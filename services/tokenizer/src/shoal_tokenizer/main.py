@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -51,6 +52,15 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         ":: (or 0.0.0.0, which gRPC takes alike) listens on every IPv6 and IPv4 address",
     )
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads that tokenize (default: the CPUs this pod may use)"
+    )
+    parser.add_argument(
+        "--max-input-chars",
+        type=int,
+        default=2_000_000,
+        help="longest input tokenized, in characters; longer is refused (400 at the router)",
+    )
     args = parser.parse_args(argv)
     models: dict[str, Path] = {}
     for item in args.model:
@@ -58,8 +68,15 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         if not sep or not name or not path:
             parser.error(f"--model expects NAME=PATH, got {item!r}")
         models[name] = Path(path)
+    optional = {"threads": args.threads} if args.threads is not None else {}
     return TokenizerConfig(
-        models=models, revision=args.revision, host=args.host, bind_host=args.bind_host, port=args.port
+        models=models,
+        revision=args.revision,
+        host=args.host,
+        bind_host=args.bind_host,
+        port=args.port,
+        max_input_chars=args.max_input_chars,
+        **optional,
     )
 
 
@@ -69,9 +86,15 @@ async def start_server(
     """The gRPC server bound to ``bind_host`` (``[::]:port`` is dual stack in gRPC), started,
     its health SERVING."""
     server = grpc.aio.server(
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs, interceptors=[RefuseUndecodable()]
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        interceptors=[RefuseUndecodable()],
+        # Room for the longest input the servicer takes (UTF-8: up to 4 bytes a character), so
+        # that a longer one reaches it and gets its clear refusal rather than gRPC's.
+        options=[("grpc.max_receive_message_length", 4 * config.max_input_chars + (1 << 20))],
     )
-    pb_grpc.add_TokenizerServicer_to_server(TokenizerServicer(models), server)
+    pool = ThreadPoolExecutor(config.threads, thread_name_prefix="tokenize")
+    servicer = TokenizerServicer(models, pool, config.max_input_chars)
+    pb_grpc.add_TokenizerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(host_port(config.listen_host, config.port))
@@ -88,7 +111,12 @@ async def serve(config: TokenizerConfig) -> None:
         models[name] = load_model(name, path, config.revision)
 
     server, health_servicer = await start_server(config, models)
-    logger.info("tokenizer serving %s on %s", ", ".join(models), host_port(config.listen_host, config.port))
+    logger.info(
+        "tokenizer serving %s on %s (%d threads)",
+        ", ".join(models),
+        host_port(config.listen_host, config.port),
+        config.threads,
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

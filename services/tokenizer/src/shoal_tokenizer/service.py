@@ -1,18 +1,25 @@
 """The ``Tokenizer`` gRPC servicer.
 
-Each served model's Hugging Face fast tokenizer is loaded once at start-up. Tokenizing a prompt
-takes microseconds to a few milliseconds in Rust, so the servicer calls it directly on the
-server's event loop instead of paying for a thread hop per call.
+Each served model's Hugging Face fast tokenizer is loaded once at start-up. Chat templates,
+encoding and decoding run on a thread pool, off the server's event loop: a short prompt takes
+microseconds to milliseconds, but a prompt of megabytes takes seconds, and on the loop it would
+hold up every other call (the Rust tokenizer lets go of the GIL while it encodes, so the loop
+goes on meanwhile). Inputs over ``max_input_chars`` are refused before any work.
 
 Errors map to gRPC status codes here, at the edge: an unknown model is ``NOT_FOUND``; input the
-chat template or tokenizer rejects is ``INVALID_ARGUMENT`` with the reason.
+chat template or tokenizer rejects, or input over the size limit, is ``INVALID_ARGUMENT`` with
+the reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
@@ -21,6 +28,8 @@ from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,9 +54,33 @@ def load_model(name: str, path: Path, revision: str | None = None) -> LoadedMode
     return LoadedModel(name, tokenizer, max_len, tuple(eos_ids))
 
 
+def _encode(tok: PreTrainedTokenizerBase, request: pb.TokenizeRequest) -> tuple[list[int], str]:
+    """The token ids and text of ``request``'s input (on the pool's threads)."""
+    if request.WhichOneof("input") == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        prompt = tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=request.chat.add_generation_prompt
+        )
+        # The template already wrote BOS and friends into the text.
+        return list(tok.encode(prompt, add_special_tokens=False)), str(prompt)
+    ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+    return list(ids), request.text
+
+
+def _input_chars(request: pb.TokenizeRequest) -> int:
+    if request.WhichOneof("input") == "chat":
+        return sum(len(m.content) + len(m.role) for m in request.chat.messages)
+    return len(request.text)
+
+
 class TokenizerServicer(pb_grpc.TokenizerServicer):
-    def __init__(self, models: dict[str, LoadedModel]) -> None:
+    def __init__(self, models: dict[str, LoadedModel], pool: Executor, max_input_chars: int) -> None:
         self._models = models
+        self._pool = pool
+        self._max_input_chars = max_input_chars
+
+    async def _off_loop(self, call: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call, *args)
 
     async def _model(self, name: str, context: grpc.aio.ServicerContext) -> LoadedModel:
         model = self._models.get(name)
@@ -61,30 +94,24 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tuple[list[int], str]:
         model = await self._model(request.model, context)
-        tok = model.tokenizer
-        kind = request.WhichOneof("input")
+        if request.WhichOneof("input") == "chat" and model.tokenizer.chat_template is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {model.name!r} has no chat template; use /v1/completions",
+            )
+        chars = _input_chars(request)
+        if chars > self._max_input_chars:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the input is {chars:,} characters long, over this tokenizer's limit of "
+                f"{self._max_input_chars:,} (--max-input-chars)",
+            )
         try:
-            if kind == "chat":
-                if tok.chat_template is None:
-                    await context.abort(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"model {model.name!r} has no chat template; use /v1/completions",
-                    )
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                prompt = tok.apply_chat_template(
-                    messages,
-                    tokenize=False,
-                    add_generation_prompt=request.chat.add_generation_prompt,
-                )
-                # The template already wrote BOS and friends into the text.
-                ids = tok.encode(prompt, add_special_tokens=False)
-            else:
-                prompt = request.text
-                ids = tok.encode(prompt, add_special_tokens=request.add_special_tokens)
+            ids, prompt = await self._off_loop(_encode, model.tokenizer, request)
         except (ValueError, TypeError, KeyError) as exc:
             # Chat templates raise on messages they do not accept (roles out of order, ...).
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot tokenize input: {exc}")
-        return list(ids), str(prompt)
+        return ids, prompt
 
     async def Tokenize(  # noqa: N802 (gRPC method name)
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -109,8 +136,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"token ids {bad[:5]} are outside the vocabulary (size {vocab})",
             )
-        text = model.tokenizer.decode(
-            list(request.token_ids), skip_special_tokens=request.skip_special_tokens
+        text = await self._off_loop(
+            model.tokenizer.decode, list(request.token_ids), request.skip_special_tokens
         )
         return pb.DetokenizeResponse(text=text)
 

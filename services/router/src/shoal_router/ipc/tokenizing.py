@@ -8,10 +8,16 @@ from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
 from shoal_router.errors import InvalidRequestError, RouterError, TokenizerUnavailableError
 
+REPLY_MAX_BYTES = 64 << 20
+"""The largest reply taken from the tokenizer (gRPC's default, 4 MiB, is less than the ids and
+text of the longest input the tokenizer takes by default)."""
+
 
 class TokenizerClient:
     def __init__(self, address: str, timeout_s: float) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", REPLY_MAX_BYTES)]
+        )
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._timeout_s = timeout_s
 
@@ -48,6 +54,9 @@ def _map_error(exc: grpc.aio.AioRpcError, param: str) -> RouterError:
     details = exc.details() or code.name
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         return InvalidRequestError(details, param=param)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        # Past even the room the tokenizer makes for its longest input.
+        return InvalidRequestError(f"the input is too large to tokenize ({details})", param=param)
     if code == grpc.StatusCode.NOT_FOUND:
         return TokenizerUnavailableError(
             f"the tokenizer does not serve this model: {details}", code="tokenizer_missing_model"
