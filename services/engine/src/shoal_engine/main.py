@@ -47,6 +47,7 @@ from shoal_protos.addresses import is_loopback, listen_tcp, same_ip
 from shoal_protos.grpc_errors import RefuseUndecodable
 from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
+from shoal_protos.tasks import Supervisor
 
 logger = logging.getLogger("shoal.engine")
 
@@ -354,12 +355,18 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
     authenticator = curve.start_authenticator(ctx, curve_keys) if curve_keys is not None else None
+
     # A router whose link drops is gone: its requests are aborted (on the loop, which owns them).
+    def fatal_on_thread(exc: BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the engine is stopping anyway
+            loop.call_soon_threadsafe(on_fatal, exc)
+
     sender = OutputSender(
         ctx,
         config.output_hwm,
         on_router_lost=lambda reply_to: loop.call_soon_threadsafe(service.router_lost, reply_to),
         curve_keys=curve_keys,
+        on_fatal=fatal_on_thread,
     )
     service = EngineService(config.engine_id, backend, sender.send, metrics, on_fatal)
 
@@ -370,7 +377,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             sender.connect(message.reply_to)
         service.on_request(message)
 
-    receiver = RequestReceiver(ctx, config.zmq_bind, loop, on_request, curve_keys)
+    receiver = RequestReceiver(ctx, config.zmq_bind, loop, on_request, curve_keys, on_fatal=fatal_on_thread)
     sender.start()
     receiver.start()
 
@@ -439,7 +446,10 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             lifespan="off",
         )
     )
-    http_task = asyncio.create_task(http.serve(sockets=[http_socket(config)]), name="http")
+    # The HTTP server (probes, metrics, drain) and the warm-up loop run as long as the engine; one
+    # that ends stops the engine, as a dead backend or socket thread does.
+    supervisor = Supervisor(on_failure=lambda _, exc: on_fatal(exc))
+    http_task = supervisor.start(http.serve(sockets=[http_socket(config)]), "http")
     registration = EngineRegistration(
         redis_client,
         keys,
@@ -458,16 +468,17 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
 
         migrations.set_draining = set_draining
     logger.info("engine %s ready: zmq %s, http %s", config.engine_id, zmq_address, record.http_address)
-    warm_up = asyncio.create_task(migrations.warm_up_forever(), name="kv-warm-up") if migrations else None
+    warm_up = supervisor.start(migrations.warm_up_forever(), "kv-warm-up") if migrations else None
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait([stop_task, fatal], return_when=asyncio.FIRST_COMPLETED)
+    supervisor.stopping = True
     exit_code = 0
     if fatal.done():
-        logger.error("backend died: %s", fatal.result())
+        logger.error("stopping: a part of the engine failed: %r", fatal.result())
         exit_code = 1
     else:
         logger.info("stopping: marking DRAINING in Redis")

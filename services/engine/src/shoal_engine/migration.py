@@ -71,6 +71,7 @@ from shoal_protos.records import (
     load_report_decoder,
     migration_record_decoder,
 )
+from shoal_protos.tasks import background
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +482,13 @@ class MigrationManager:
                     return pb.MigrationResult(
                         request_id=request_id, outcome=pb.FAILED, detail="drain deadline passed"
                     )
-                return await self.migrate(request_id, "", "drain")
+                try:
+                    return await self.migrate(request_id, "", "drain")
+                except Exception as exc:
+                    # One move's surprise must not cut the drain short: the others go on, and
+                    # the engine still unregisters after it.
+                    logger.exception("drain: moving %s failed", request_id)
+                    return pb.MigrationResult(request_id=request_id, outcome=pb.FAILED, detail=repr(exc))
 
         while time.monotonic() < deadline:
             pending = self._service.request_ids()
@@ -630,7 +637,7 @@ class MigrationManager:
             result.downtime_ms,
             result.duration_ms,
         )
-        writing = asyncio.get_running_loop().create_task(self._write_record(result, name))
+        writing = background(self._write_record(result, name), f"record-{result.migration_id}")
         self._writing[result.migration_id] = writing
         writing.add_done_callback(lambda _: self._writing.pop(result.migration_id, None))
         return result
@@ -669,7 +676,7 @@ class MigrationManager:
             logger.warning("could not write migration record %s: %s", result.migration_id, exc)
 
     def _forward_abort(self, owner: str, request_id: str, reason: str) -> None:
-        asyncio.get_running_loop().create_task(self._send_abort(owner, request_id, reason))
+        background(self._send_abort(owner, request_id, reason), f"abort-{request_id}")
 
     async def _send_abort(self, owner: str, request_id: str, reason: str) -> None:
         try:
@@ -724,7 +731,7 @@ class MigrationManager:
     def _expire(self, migration_id: str) -> None:
         if self._reserved.pop(migration_id, None) is not None:
             logger.warning("migration %s: no commit in time; freeing its staging", migration_id)
-            asyncio.get_running_loop().create_task(self._free_staging(migration_id))
+            background(self._free_staging(migration_id), f"free-staging-{migration_id}")
 
     async def _free_staging(self, migration_id: str) -> None:
         try:
@@ -799,7 +806,7 @@ class MigrationManager:
         if last_output_at:
             stall_s = max(0.0, at - last_output_at)
             self._metrics.migration_stall.observe(stall_s)
-            asyncio.get_running_loop().create_task(self._record_stall(migration_id, stall_s * 1000, phases))
+            background(self._record_stall(migration_id, stall_s * 1000, phases), f"stall-{migration_id}")
 
     async def _record_stall(self, migration_id: str, stall_ms: float, phases: dict[str, float]) -> None:
         key = self._keys.migration(migration_id)

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from shoal_protos import curve
 from shoal_protos.addresses import bare_host, stream_socket
 from shoal_protos.records import Keys, state_client
+from shoal_protos.tasks import Supervisor
 from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
@@ -236,11 +237,14 @@ def build_app(config: RouterConfig) -> FastAPI:
     )
     fleet.after_poll.append(generation.release_held)
 
+    # The tasks that must run as long as the router: one that ends turns /livez to 503.
+    supervisor = Supervisor()
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tasks = [
-            asyncio.create_task(engines.ingest_forever(), name="zmq-ingest"),
-            asyncio.create_task(fleet.poll_forever(config.fleet_poll_interval_s), name="fleet-poll"),
+            supervisor.start(engines.ingest_forever(), "zmq-ingest"),
+            supervisor.start(fleet.poll_forever(config.fleet_poll_interval_s), "fleet-poll"),
         ]
         if config.balance:
 
@@ -261,7 +265,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                 client=redis_client,
                 keys=Keys(config.cluster),
             )
-            tasks.append(asyncio.create_task(rebalancer.run_forever(), name="rebalance"))
+            tasks.append(supervisor.start(rebalancer.run_forever(), "rebalance"))
         logger.info(
             "router %s: outputs on %s, serving %s",
             config.router_id,
@@ -271,6 +275,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         try:
             yield
         finally:
+            supervisor.stopping = True
             await _stop_tasks(tasks)
             await _bounded("the engine sockets", engines.aclose())
             # destroy, not term: term would wait forever on any socket still open.
@@ -288,6 +293,7 @@ def build_app(config: RouterConfig) -> FastAPI:
         api_keys=KeyFile(config.api_keys_file) if config.api_keys_file else None,
         admin_keys=KeyFile(config.admin_keys_file) if config.admin_keys_file else None,
         rate_limiter=RateLimiter(Limits(config.key_requests_per_minute, config.key_tokens_per_minute)),
+        supervisor=supervisor,
     )
 
 

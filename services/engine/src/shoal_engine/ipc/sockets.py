@@ -60,7 +60,11 @@ def valid_reply_to(address: str) -> bool:
 
 
 class RequestReceiver:
-    """Reads ADD/ABORT frames on a bound PULL socket and hands them to the event loop."""
+    """Reads ADD/ABORT frames on a bound PULL socket and hands them to the event loop.
+
+    Its thread ending on an unexpected exception before ``stop`` is reported to ``on_fatal``
+    (called on that thread), with the traceback logged: an engine that no longer reads requests
+    must not go on heartbeating."""
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class RequestReceiver:
         loop: asyncio.AbstractEventLoop,
         on_request: Callable[[AddRequest | AbortRequest], None],
         curve_keys: curve.CurveKeys | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._socket = ctx.socket(zmq.PULL)
         if curve_keys is not None:
@@ -76,6 +81,7 @@ class RequestReceiver:
         zmq_bind(self._socket, address)
         self._loop = loop
         self._on_request = on_request
+        self._on_fatal = on_fatal
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shoal-zmq-in", daemon=True)
 
@@ -108,13 +114,20 @@ class RequestReceiver:
                     )
                     continue
                 self._loop.call_soon_threadsafe(self._on_request, message)
+        except Exception as exc:
+            if not self._stopped.is_set():
+                logger.exception("the request socket's thread failed")
+                if self._on_fatal is not None:
+                    self._on_fatal(exc)
         finally:
             sock.close(linger=0)
 
 
 class OutputSender:
     """Encodes and sends output batches, one PUSH socket per router address, and reports a
-    router whose link dropped to ``on_router_lost`` (called on the sender's thread)."""
+    router whose link dropped to ``on_router_lost`` (called on the sender's thread). Its thread
+    ending on an unexpected exception is reported to ``on_fatal`` (on that thread), with the
+    traceback logged: an engine whose outputs go nowhere must not go on heartbeating."""
 
     def __init__(
         self,
@@ -122,7 +135,9 @@ class OutputSender:
         hwm: int,
         on_router_lost: Callable[[str], None] | None = None,
         curve_keys: curve.CurveKeys | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
+        self._on_fatal = on_fatal
         self._ctx = ctx
         self._hwm = hwm
         self._curve_keys = curve_keys
@@ -189,6 +204,10 @@ class OutputSender:
                     logger.info("connected output socket to router %s", reply_to)
                 if batch is not None:
                     sock.send_multipart((outputs_tag, encoder.encode(batch)), copy=False)
+        except Exception as exc:
+            logger.exception("the output socket's thread failed")
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
         finally:
             for monitor in self._monitors:
                 monitor.close(linger=0)

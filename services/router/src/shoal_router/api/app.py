@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shoal_protos.tasks import Supervisor
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.fleet_page import PAGE, fleet_state
 from shoal_router.api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
@@ -518,8 +519,10 @@ def create_app(
     api_keys: KeyFile | None = None,
     admin_keys: KeyFile | None = None,
     rate_limiter: RateLimiter | None = None,
+    supervisor: Supervisor | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Shoal router", version="0.1.0", lifespan=lifespan)
+    supervisor = supervisor or Supervisor()
     app.openapi = functools.partial(_openapi_document, app, api_keys is not None)  # type: ignore[method-assign]
     metrics = generation.metrics
 
@@ -555,6 +558,10 @@ def create_app(
         ready = any(view.usable for view in engines.values())
         if not ready:
             body["status"] = "unavailable"
+        if supervisor.failed:
+            ready = False
+            body["status"] = "failed"
+            body["failed"] = supervisor.failed
         return JSONResponse(body, status_code=200 if ready else 503)
 
     # What ``/readyz`` answers, under its first name; launchers and older manifests probe it.
@@ -566,7 +573,11 @@ def create_app(
     async def liveness() -> JSONResponse:
         """200 while the router process runs: the handler runs on the event loop, so an answer
         shows that the loop turns. It does not look at the engines: a router with none to send
-        to is still alive, and restarting it would not bring one."""
+        to is still alive, and restarting it would not bring one. 503 once a task the router
+        needs ended (its ZeroMQ ingest, fleet poll or balancer; ``failed`` names it): a restart
+        brings it back."""
+        if supervisor.failed:
+            return JSONResponse({"status": "failed", "failed": supervisor.failed}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")
