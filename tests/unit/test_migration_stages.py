@@ -21,11 +21,17 @@ from shoal_engine.backend import EngineTimes
 from shoal_engine.config import EngineConfig
 from shoal_engine.kv.sim_agent import SimKvAgent, SimStaging
 from shoal_engine.metrics import EngineMetrics
-from shoal_engine.migration import MigrationError, MigrationManager, mean_step_ms, target_phases_ms
+from shoal_engine.migration import (
+    MAX_CHANNELS,
+    MigrationError,
+    MigrationManager,
+    mean_step_ms,
+    target_phases_ms,
+)
 from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
-from shoal_protos.messages import PROTOCOL_VERSION, AddRequest, SamplingOptions
+from shoal_protos.messages import PROTOCOL_VERSION, AddRequest, RouterRequestEncoder, SamplingOptions
 from shoal_protos.records import (
     TARGET_PHASES,
     EngineRecord,
@@ -398,3 +404,57 @@ async def test_an_engine_of_several_workers_refuses_to_take_a_request_in(
     finally:
         await manager.aclose()
     assert not reply.accepted and "rank to rank" in reply.detail
+
+
+class ArrivingService:
+    """The target's engine service: requests it was handed run until the test ends them."""
+
+    draining = False
+
+    def __init__(self) -> None:
+        self.running: set[str] = set()
+
+    def tokens_of(self, request_id: str) -> int | None:
+        return len(PROMPT) if request_id in self.running else None
+
+    def start(self, add: AddRequest, kv_params: dict[str, Any] | None = None) -> None:
+        self.running.add(add.request_id)
+
+
+@pytest.mark.asyncio
+async def test_the_target_forgets_moves_whose_requests_end_before_their_first_output(
+    redis_client: aioredis.Redis,
+) -> None:
+    """A moved request the target counts until its first output (for the stall it measures)
+    and that ends before it (aborted as it arrived) is not kept for ever: a hundred such
+    moves leave one entry, the newest."""
+    config = EngineConfig(model="m", served_model_name="m", engine_id="t", backend="sim")
+    service = ArrivingService()
+    manager = MigrationManager(config, service, lambda: 100, redis_client, Keys("c"), EngineMetrics("t", "m"))  # type: ignore[arg-type]
+    encoder = RouterRequestEncoder()
+    try:
+        for i in range(100):
+            add = AddRequest(f"r{i}", PROMPT, SamplingOptions(max_tokens=8), "tcp://127.0.0.1:1")
+            commit = pb.CommitRequest(migration_id=f"m{i}", add_request=encoder.add(add)[1])
+            assert (await manager.commit(commit)).accepted
+            service.running.discard(add.request_id)  # aborted before its first output
+        assert len(manager._arriving) == 1
+    finally:
+        await manager.aclose()
+
+
+@pytest.mark.asyncio
+async def test_channels_to_engines_not_met_for_longest_are_closed(redis_client: aioredis.Redis) -> None:
+    config = EngineConfig(model="m", served_model_name="m", engine_id="t", backend="sim")
+    manager = MigrationManager(
+        config, ArrivingService(), lambda: 100, redis_client, Keys("c"), EngineMetrics("t", "m")
+    )  # type: ignore[arg-type]
+    try:
+        manager._stub("127.0.0.1:1")
+        for port in range(2, 3 * MAX_CHANNELS):
+            manager._stub(f"127.0.0.1:{port}")
+            manager._stub("127.0.0.1:1")  # used all along: kept
+        assert len(manager._channels) == MAX_CHANNELS
+        assert "127.0.0.1:1" in manager._channels and "127.0.0.1:2" not in manager._channels
+    finally:
+        await manager.aclose()

@@ -150,6 +150,19 @@ async def test_create_makes_every_child_owned_by_the_cluster(
     assert {c["type"]: c["reason"] for c in status["conditions"]}["EnginesReady"] == "Starting"
 
 
+async def test_a_deleted_clusters_lock_goes_with_it(
+    api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
+) -> None:
+    """One reconcile at a time per cluster, through a lock per cluster: clusters made and
+    deleted by the hundred leave no lock behind; a living cluster keeps its own."""
+    api.objects[CLUSTERS, NS, NAME] = _cluster()
+    await reconciler.reconcile(NS, NAME)
+    for i in range(100):
+        outcome = await reconciler.reconcile(NS, f"gone-{i}")  # deleted (or never made)
+        assert not outcome.found
+    assert list(reconciler._locks) == [(NS, NAME)]
+
+
 async def test_a_reconcile_that_changes_nothing_writes_nothing(
     api: kmock_lib.KubernetesEmulator, reconciler: Reconciler
 ) -> None:

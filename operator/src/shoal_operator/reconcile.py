@@ -230,9 +230,13 @@ class Reconciler:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def reconcile(self, namespace: str, name: str) -> Outcome:
-        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
+        key = (namespace, name)
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            return await self._reconcile(namespace, name)
+            outcome = await self._reconcile(namespace, name)
+        if not outcome.found and not lock.locked() and self._locks.get(key) is lock:
+            del self._locks[key]  # the cluster is gone: its lock with it
+        return outcome
 
     async def _reconcile(self, namespace: str, name: str) -> Outcome:
         outcome = Outcome()

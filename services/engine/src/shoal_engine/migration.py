@@ -33,7 +33,7 @@ import logging
 import math
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -96,6 +96,11 @@ end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 return 1
 """
+
+
+MAX_CHANNELS = 32
+"""Channels to other engines' control APIs kept open; past this, the least recently used one
+is closed."""
 
 
 class MigrationError(Exception):
@@ -173,7 +178,8 @@ class MigrationManager:
         self._metrics = metrics
         self._ctx = zmq.asyncio.Context()
         self._agent = AgentClient(self._ctx, config.kv_agent_address, config.migration_step_timeout_s)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # Channels to other engines' control APIs, the most recently used last.
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._peer_push: dict[str, zmq.Socket[bytes]] = {}
         self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         self._encoder = RouterRequestEncoder()
@@ -596,6 +602,12 @@ class MigrationManager:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            # Engines come and go: the channels of those not met for longest are closed.
+            while len(self._channels) > MAX_CHANNELS:
+                _, oldest = self._channels.popitem(last=False)
+                background(oldest.close(), "close-channel")
+        else:
+            self._channels.move_to_end(address)
         return pb_grpc.EngineControlStub(channel)
 
     async def _record_owner(self, add: AddRequest, engine_id: str) -> None:
@@ -780,6 +792,9 @@ class MigrationManager:
             return pb.CommitReply(accepted=False, detail="the target is draining")
         if self._service.tokens_of(add.request_id) is not None:
             return pb.CommitReply(accepted=False, detail="the request already runs here")
+        # Requests that ended here before their first output (aborted as they arrived, say).
+        for ended in [rid for rid in self._arriving if self._service.tokens_of(rid) is None]:
+            del self._arriving[ended]
         self._arriving[add.request_id] = (request.migration_id, request.last_output_at, reached)
         load = {"migration": request.migration_id, "tokens": request.kv_tokens} if request.kv_tokens else None
         self._service.start(add, {"load": load} if load else None)
