@@ -222,7 +222,20 @@ async def _drain_while_streaming(
     spread = set(on.values()) == set(engines)
     # For the failure message: where the streams went, and the engines as the router saw them.
     seen = [
-        {k: e[k] for k in ("id", "state", "running", "waiting", "kv_usage", "inflight_here")}
+        {
+            k: e[k]
+            for k in (
+                "id",
+                "state",
+                "running",
+                "waiting",
+                "kv_usage",
+                "inflight_here",
+                "freeness",
+                "room",
+                "held",
+            )
+        }
         for e in fleet_state(fleet.base_url)["engines"]
     ]
     tries.append(f"{dict(sorted(on.items()))}, router: {seen}")

@@ -71,3 +71,39 @@ def test_the_sender_reports_a_router_whose_link_dropped() -> None:
         sender.stop()
         routers["b"][0].close(linger=0)
         ctx.term()
+
+
+def test_a_router_that_stops_reading_does_not_hold_up_the_others() -> None:
+    """Over real loopback TCP: router a keeps its link but reads nothing. Once its queue (the
+    sender's high-water mark, past the TCP buffers) is full, the sender drops a's link and
+    names it lost, and router b's batches, sent between a's, go on arriving; a's further
+    batches are discarded rather than queued for a router that does not read."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    lost: queue.SimpleQueue[str] = queue.SimpleQueue()
+    sender = OutputSender(ctx, 20, on_router_lost=lost.put)
+    stuck, reader = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+    stuck.setsockopt(zmq.RCVHWM, 4)
+    stuck.setsockopt(zmq.RCVBUF, 65536)
+    stuck_address = f"tcp://127.0.0.1:{stuck.bind_to_random_port('tcp://127.0.0.1')}"
+    reader_address = f"tcp://127.0.0.1:{reader.bind_to_random_port('tcp://127.0.0.1')}"
+    sender.start()
+    try:
+        # b's link is up before the burst (a new link's first batches wait for its connection).
+        sender.send(reader_address, OutputBatch("e0", 0, [RequestPiece("s", 0, [0])]))
+        assert reader.poll(10_000), "router b got nothing"
+        reader.recv_multipart()
+        # 100 batches of 200,000 token ids (some 60 MB in all) to a, each followed by a small one
+        # to b, which must arrive before the next pair is sent.
+        big = list(range(200_000))
+        for i in range(1, 101):
+            sender.send(stuck_address, OutputBatch("e0", i, [RequestPiece("r", i, big)]))
+            sender.send(reader_address, OutputBatch("e0", i, [RequestPiece("s", i, [i])]))
+            assert reader.poll(10_000), f"router b got {i - 1} of 100 batches"
+            reader.recv_multipart()
+        assert lost.get(timeout=10) == stuck_address
+        assert lost.empty()
+    finally:
+        sender.stop()
+        stuck.close(linger=0)
+        reader.close(linger=0)
+        ctx.term()

@@ -17,6 +17,14 @@ only fleet members connect.
 The sender watches the TCP link of each router's socket: when an established link drops (the
 router process died or closed its socket), ``on_router_lost`` gets the router's address, and
 the engine aborts that router's requests (nothing keeps generating for clients that are gone).
+
+One thread sends to every router, so no send may wait: each router's socket queues up to
+``hwm`` batches (ZeroMQ's high-water mark, beyond the TCP buffers), and a send finding that
+queue full (a router that stopped reading but keeps its link) drops that router's link as if it
+had gone, rather than holding up every other router's streams. A dropped link's socket and
+monitor are closed. For ``DROPPED_HOLD_S`` after, batches to that address are discarded (the
+final pieces of the requests aborted with it: nobody reads them) unless a new request from it
+connects first; later ones connect afresh.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ logger = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _STOP = object()
+DROPPED_HOLD_S = 5.0
+"""How long after a router's link was dropped its batches are discarded rather than sent."""
 
 
 _REPLY_TO = re.compile(r"tcp://[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|tcp://\[[0-9A-Fa-f:.]{2,45}\]:[0-9]{1,5}")
@@ -142,7 +152,12 @@ class OutputSender:
         self._hwm = hwm
         self._curve_keys = curve_keys
         self._on_router_lost = on_router_lost
+        # Each router's socket, and the monitor of its link (None when links are not watched).
+        self._links: dict[str, tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]] = {}
         self._monitors: dict[zmq.Socket[bytes], str] = {}
+        self._monitor_count = 0
+        # Routers whose link was dropped, and when.
+        self._dropped: dict[str, float] = {}
         self._poller = zmq.Poller()
         self._queue: queue.SimpleQueue[tuple[str, OutputBatch | None] | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="shoal-zmq-out", daemon=True)
@@ -166,7 +181,7 @@ class OutputSender:
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        sockets: dict[str, zmq.Socket[bytes]] = {}
+        links = self._links
         outputs_tag = FrameType.OUTPUTS.value
         links_checked = time.monotonic()
         try:
@@ -184,8 +199,13 @@ class OutputSender:
                     return
                 assert isinstance(item, tuple)
                 reply_to, batch = item
-                sock = sockets.get(reply_to)
-                if sock is None:
+                link = links.get(reply_to)
+                if link is None and reply_to in self._dropped:
+                    if batch is None or time.monotonic() - self._dropped[reply_to] > DROPPED_HOLD_S:
+                        del self._dropped[reply_to]  # a new request from it, or long enough
+                    else:
+                        continue
+                if link is None:
                     sock = self._ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.SNDHWM, self._hwm)
                     # Do not hang shutdown on a router that went away.
@@ -199,11 +219,15 @@ class OutputSender:
                         sock.close(linger=0)
                         logger.warning("dropping output for %r: cannot connect: %s", reply_to, exc)
                         continue
-                    sockets[reply_to] = sock
-                    self._watch(sock, reply_to)
+                    link = links[reply_to] = (sock, self._watch(sock, reply_to))
                     logger.info("connected output socket to router %s", reply_to)
-                if batch is not None:
-                    sock.send_multipart((outputs_tag, encoder.encode(batch)), copy=False)
+                if batch is not None and not self._send_now(link[0], (outputs_tag, encoder.encode(batch))):
+                    logger.warning(
+                        "router %s has %d batches it has not read: dropping its link", reply_to, self._hwm
+                    )
+                    self._drop(reply_to)
+                    if self._on_router_lost is not None:
+                        self._on_router_lost(reply_to)
         except Exception as exc:
             logger.exception("the output socket's thread failed")
             if self._on_fatal is not None:
@@ -211,18 +235,52 @@ class OutputSender:
         finally:
             for monitor in self._monitors:
                 monitor.close(linger=0)
-            for sock in sockets.values():
+            for sock, _ in links.values():
                 sock.close()
 
-    def _watch(self, sock: zmq.Socket[bytes], reply_to: str) -> None:
+    def _watch(self, sock: zmq.Socket[bytes], reply_to: str) -> zmq.Socket[bytes] | None:
         if self._on_router_lost is None:
-            return
-        address = f"inproc://router-link-{id(self)}-{len(self._monitors)}"
+            return None
+        self._monitor_count += 1
+        address = f"inproc://router-link-{id(self)}-{self._monitor_count}"
         sock.monitor(address, zmq.EVENT_DISCONNECTED)
         monitor = self._ctx.socket(zmq.PAIR)
         monitor.connect(address)
         self._monitors[monitor] = reply_to
         self._poller.register(monitor, zmq.POLLIN)
+        return monitor
+
+    @staticmethod
+    def _send_now(sock: zmq.Socket[bytes], frames: tuple[bytes, bytes]) -> bool:
+        """Send without waiting; False when the socket's queue is full. A send that finds the
+        queue full may be reading a stale count (the socket learns of what its peer took only
+        when it handles its commands, which a send does at most once a millisecond): asking
+        for the socket's events handles them, and the send is tried once more if it may."""
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            if not sock.get(zmq.EVENTS) & zmq.POLLOUT:
+                return False
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
+    def _drop(self, reply_to: str) -> None:
+        """Close a router's socket (and the monitor of its link): it is gone, or stuck."""
+        sock, monitor = self._links.pop(reply_to)
+        now = time.monotonic()
+        for old in [a for a, at in self._dropped.items() if now - at > DROPPED_HOLD_S]:
+            del self._dropped[old]
+        self._dropped[reply_to] = now
+        if monitor is not None:
+            self._poller.unregister(monitor)
+            del self._monitors[monitor]
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
 
     def _check_links(self) -> None:
         assert self._on_router_lost is not None
@@ -231,4 +289,5 @@ class OutputSender:
             event = parse_monitor_message(monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 logger.warning("lost the link to router %s", reply_to)
+                self._drop(reply_to)
                 self._on_router_lost(reply_to)

@@ -31,6 +31,11 @@ async def fleet_state(router_id: str, fleet: FleetView, engines: EngineClient) -
                 "kv_usage": view.kv_usage,
                 "kv_blocks": view.record.kv_blocks_total,
                 "block_size": view.block_size,
+                # What dispatch weighs: KV blocks left per batch slot, free blocks not yet
+                # claimed by prompts sent since the last report, and requests held.
+                "freeness": round(view.free, 2),
+                "room": view.room,
+                "held": view.held,
                 "step_ms": report.step_time_ms if report else 0.0,
                 "inflight_here": view.inflight,
             }
