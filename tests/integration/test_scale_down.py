@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from typing import Any
 
@@ -182,6 +183,10 @@ async def test_scale_down_drains_the_leaving_engine_while_streams_run(
     assert time.monotonic() - drained_at >= REJOIN_AFTER_S - 0.5
 
 
+def _router_metrics(fleet: RunningFleet) -> str:
+    return httpx.get(fleet.base_url + "/metrics", timeout=STALL_S).text
+
+
 async def _drain_while_streaming(
     fleet: RunningFleet,
     client: openai.AsyncOpenAI,
@@ -238,7 +243,8 @@ async def _drain_while_streaming(
         }
         for e in fleet_state(fleet.base_url)["engines"]
     ]
-    tries.append(f"{dict(sorted(on.items()))}, router: {seen}")
+    resumed = re.findall(r"^shoal_router_resumed_requests_total\{[^}]*\} \S+$", _router_metrics(fleet), re.M)
+    tries.append(f"{dict(sorted(on.items()))}, router: {seen}, resumed: {resumed}")
 
     # Both models are held still from here (every stream has had its first token; the models run
     # in short slices only until both engines report their streams) until the drain has taken
