@@ -121,7 +121,8 @@ def test_the_engine_binds_its_host_without_bind_host() -> None:
     assert config.zmq_bind == config.zmq_address == "tcp://10.1.2.3:5600"
     assert config.control_bind == config.control_address == "10.1.2.3:5800"
     assert config.kv_data_bind == config.kv_data_address == "tcp://10.1.2.3:5900"
-    assert config.kv_agent_address == "tcp://10.1.2.3:5901"
+    # The KV agent's control socket is the pod's own: loopback, whatever --host says.
+    assert config.kv_agent_address == "tcp://127.0.0.1:5901"
 
 
 def test_the_engine_advertises_bracketed_ipv6_addresses() -> None:
@@ -130,7 +131,7 @@ def test_the_engine_advertises_bracketed_ipv6_addresses() -> None:
     assert config.http_address == "http://[fd00::7]:8100"
     assert config.control_address == "[fd00::7]:5800"
     assert config.kv_data_address == "tcp://[fd00::7]:5900"
-    assert config.kv_agent_address == "tcp://[fd00::7]:5901"
+    assert config.kv_agent_address == "tcp://127.0.0.1:5901"
     assert (config.zmq_bind, config.control_bind, config.kv_data_bind) == (
         "tcp://[::]:5600",
         "[::]:5800",
@@ -235,7 +236,7 @@ def test_the_kv_data_socket_widens_but_the_control_socket_stays_on_host(
     config = engine_main.parse_args(
         _engine_args("--host", "127.0.0.1", "--bind-host", "::", "--migration", "--kv-port", str(kv_port))
     )
-    # Before ``--bind-host`` the control socket bound ``--host``, loopback here: it still does.
+    # The control socket listens on loopback alone, whatever --host and --bind-host say.
     assert config.kv_agent_address == f"tcp://127.0.0.1:{kv_port + 1}"
     assert config.kv_data_address == f"tcp://127.0.0.1:{kv_port}"
     elsewhere = own_addresses()

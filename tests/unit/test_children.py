@@ -110,6 +110,13 @@ def test_engines_follow_the_spec() -> None:
     assert env["REDIS_URL"] == "redis://:$(REDIS_PASSWORD)@smol-redis:6379/0"
     names = [e["name"] for e in container["env"]]
     assert names.index("REDIS_PASSWORD") < names.index("REDIS_URL")  # defined before it is used
+    # The services read REDIS_URL from their environment: never on a command line, where every
+    # process on the node could read the password.
+    for each in ("engine", "router"):
+        deployment = one(rendered, "Deployment", each)
+        (service,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert not [a for a in service["args"] if "REDIS" in a or "redis://" in a], service["args"]
+        assert "REDIS_URL" in env_of(service)
     redis_container = one(rendered, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
     assert redis_container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
     assert env_of(redis_container)["REDISCLI_AUTH"] == env["REDIS_PASSWORD"]

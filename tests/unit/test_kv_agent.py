@@ -8,6 +8,7 @@ as the engine service does.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,13 +17,14 @@ import pytest
 import torch
 import zmq
 
-from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_engine.kv.agent import MAX_SOURCES, KvAgent, Load, TableUpdate
 from shoal_engine.kv.connector import ShoalConnector, worker_addresses
 from shoal_engine.kv.transport import Transport, TransportError, check_backend, runs, write_message
 from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
 from shoal_router.ipc.engines import _owned, _Tracked
+from tests.unit.listeners import free_ports
 
 BLOCK = 4
 LAYERS = 3
@@ -478,3 +480,24 @@ def test_each_worker_of_a_parallel_engine_has_its_own_agent_ports() -> None:
         for port in [int(address.rsplit(":", 1)[1])]
     }
     assert len(ports) == 16  # no two workers (nor their two sockets) share a port
+
+
+def test_a_flood_of_data_connections_is_capped() -> None:
+    """A thread serves each source agent's connection: past ``MAX_SOURCES`` open at once, a new
+    connection is closed as it comes (it reads the end at once), and those served stay open."""
+    port = free_ports(2)
+    caches = {f"layer.{i}": torch.zeros(8, 16, dtype=torch.uint8) for i in range(2)}
+    agent = KvAgent(caches, 8, 4, f"tcp://127.0.0.1:{port + 1}", f"tcp://127.0.0.1:{port}", host="127.0.0.1")
+    conns = []
+    try:
+        conns = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_SOURCES + 8)]
+        for conn in conns[MAX_SOURCES:]:
+            assert conn.recv(1) == b"", "a connection past the cap was served"
+        served = conns[MAX_SOURCES - 1]
+        served.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            served.recv(1)  # open: waiting for its first message
+    finally:
+        for conn in conns:
+            conn.close()
+        agent.close()

@@ -439,6 +439,12 @@ async def test_the_target_forgets_moves_whose_requests_end_before_their_first_ou
             assert (await manager.commit(commit)).accepted
             service.running.discard(add.request_id)  # aborted before its first output
         assert len(manager._arriving) == 1
+        # What the request socket refuses, a commit refuses too: outputs to anything but a
+        # router's tcp://host:port.
+        add = AddRequest("r-bad", PROMPT, SamplingOptions(max_tokens=8), "ipc:///tmp/elsewhere")
+        reply = await manager.commit(pb.CommitRequest(migration_id="m-bad", add_request=encoder.add(add)[1]))
+        assert not reply.accepted and "tcp://host:port" in reply.detail
+        assert "r-bad" not in service.running
     finally:
         await manager.aclose()
 

@@ -181,8 +181,9 @@ def redis_auth_secret(cluster: Cluster) -> Manifest:
 
 
 def _redis_env(cluster: Cluster) -> list[dict[str, Any]]:
-    """``REDIS_URL`` for every fleet container: the managed Redis (with the password from its
-    Secret), a URL, or a Secret's key."""
+    """``REDIS_URL`` for every fleet container, which the services read from their environment
+    (never from their command line, which every process on the node can read): the managed
+    Redis (with the password from its Secret), a URL, or a Secret's key."""
     redis = cluster.spec.redis
     if redis.mode == "managed":
         url = f"redis://:$(REDIS_PASSWORD)@{cluster.name}-redis:{REDIS_PORT}/0"
@@ -357,7 +358,6 @@ def _engine_args(cluster: Cluster) -> list[str]:
         "--served-model-name", spec.model.served_name,
         "--engine-id", "$(POD_NAME)",
         "--cluster", cluster.cluster_id,
-        "--redis-url", "$(REDIS_URL)",
         "--host", "$(POD_IP)",
         "--bind-host", ANY_ADDRESS,
         "--zmq-port", str(ENGINE_ZMQ_PORT),
@@ -471,7 +471,6 @@ def router_deployment(cluster: Cluster) -> Manifest:
         "--model", cluster.spec.model.served_name,
         "--cluster", cluster.cluster_id,
         "--router-id", "$(POD_NAME)",
-        "--redis-url", "$(REDIS_URL)",
         "--tokenizer", f"{cluster.name}-tokenizer:{TOKENIZER_PORT}",
         "--host", "$(POD_IP)",
         "--bind-host", ANY_ADDRESS,

@@ -8,6 +8,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shoal_protos.addresses import host_port, http_url, resolve_bind_host, tcp_url
 
+LOOPBACK = "127.0.0.1"
+"""Where the KV agent's control socket listens: every pod has this address, and only its own
+processes reach it."""
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -236,9 +240,10 @@ class EngineConfig(BaseModel):
 
     @property
     def kv_agent_address(self) -> str:
-        """The KV agent's control socket, bound and reached at ``host`` alone whatever
-        ``bind_host`` is: its commands hand out KV bytes, and only this engine calls it."""
-        return tcp_url(self.host, self.kv_port + 1)
+        """The KV agent's control socket, on the loopback address alone whatever ``host`` and
+        ``bind_host`` are: its commands hand out KV bytes and send KV anywhere, and only this
+        engine (its own pod) calls it."""
+        return tcp_url(LOOPBACK, self.kv_port + 1)
 
     @property
     def control_address(self) -> str:

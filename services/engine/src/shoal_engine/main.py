@@ -71,7 +71,12 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--served-model-name", required=True)
     parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
     parser.add_argument("--cluster", default="default")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0); a password belongs in "
+        "the environment, not here: every process on the node can read a command line",
+    )
     parser.add_argument(
         "--host",
         default="127.0.0.1",

@@ -46,6 +46,7 @@ from redis.exceptions import RedisError
 
 from shoal_engine.backend import BackendRequestError, EngineTimes
 from shoal_engine.config import EngineConfig
+from shoal_engine.ipc.sockets import valid_reply_to
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.serving import EngineService, StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
@@ -787,6 +788,11 @@ class MigrationManager:
             return pb.CommitReply(accepted=False, detail=f"undecodable request state: {exc}")
         if not isinstance(add, AddRequest):
             return pb.CommitReply(accepted=False, detail="request state is not an ADD")
+        if not valid_reply_to(add.reply_to):
+            # As the request socket checks every ADD: outputs go to routers' tcp://host:port only.
+            return pb.CommitReply(
+                accepted=False, detail=f"reply address {add.reply_to!r} is not tcp://host:port"
+            )
         if self._service.draining:
             await self._free_staging(request.migration_id)
             return pb.CommitReply(accepted=False, detail="the target is draining")

@@ -14,6 +14,7 @@ import contextlib
 import faulthandler
 import gc
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from types import FrameType
@@ -59,7 +60,12 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--model", action="append", default=[], help="served model name; repeatable")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--router-id", default="router-0")
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+        help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0); a password belongs in "
+        "the environment, not here: every process on the node can read a command line",
+    )
     parser.add_argument("--tokenizer", default="127.0.0.1:50051", help="host:port of the tokenizer service")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address engines are told to send outputs to (ZeroMQ)"

@@ -61,6 +61,10 @@ _MAX_CHUNK_BLOCKS = 2048
 _CHUNKS_IN_FLIGHT = 4
 
 
+MAX_SOURCES = 64
+"""Source agents' connections served at once, a thread each; more are closed as they come."""
+
+
 @dataclass(slots=True)
 class _Table:
     vllm_id: str
@@ -181,6 +185,7 @@ class KvAgent:
         self._server = listen(data_address)
         self._server.settimeout(0.2)
         self._peers: set[socket.socket] = set()
+        self._refused = 0  # connections refused, the cap reached
         self._threads = [
             threading.Thread(target=self._serve_control, name="shoal-kv-control", daemon=True),
             threading.Thread(target=self._serve_data, name="shoal-kv-data", daemon=True),
@@ -479,10 +484,22 @@ class KvAgent:
                 continue
             except OSError:
                 break
+            with self._lock:
+                full = len(self._peers) >= MAX_SOURCES
+                if not full:
+                    self._peers.add(conn)
+            if full:
+                # A thread per connection: a flood of them is not moves (a fleet's moves into
+                # one engine run a few at a time), and must not cost a thread each.
+                self._refused += 1
+                if self._refused % 100 == 1:
+                    logger.warning(
+                        "KV agent: %d source connections open already: refused %d", MAX_SOURCES, self._refused
+                    )
+                conn.close()
+                continue
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._peers.add(conn)
             threading.Thread(target=self._serve_peer, args=(conn,), name="shoal-kv-peer", daemon=True).start()
         self._server.close()
 
