@@ -228,7 +228,7 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
     )
     service, target, metrics = PlayedService("r1"), PlayedTarget(), EngineMetrics("source", "m")
     result = await _move(redis_client, agent, service, target, metrics)
-    assert result.outcome == pb.MIGRATED, result.detail
+    assert (result.outcome, result.code) == (pb.MIGRATED, "moved"), result.detail
     assert agent.sends() == [(0, False), (4, False), (4, False), (10, True)]
     assert (result.stages, result.blocks, result.kv_tokens) == (4, 11, written)
     labels = {"engine": "source", "model": "m"}
@@ -267,7 +267,7 @@ async def test_a_request_still_preempted_at_the_stop_moves_with_the_blocks_it_ha
     )
     service, target = PlayedService("r2"), PlayedTarget()
     result = await _move(redis_client, agent, service, target)
-    assert result.outcome == pb.MIGRATED, result.detail
+    assert (result.outcome, result.code) == (pb.MIGRATED, "moved"), result.detail
     assert agent.sends() == [(0, False), (3, False), (3, False), (3, False), (3, True)]
     # No KV written when it stopped: the commit says so, and the target computes it all.
     assert result.kv_tokens == 0 and target.commits[0].kv_tokens == 0
@@ -288,7 +288,7 @@ async def test_a_send_after_the_stop_that_loses_its_blocks_leaves_the_request_on
     agent = LosingAgent(stages=[_sent(0, 10, len(PROMPT) + 2)], final=_sent(10, 1, len(PROMPT) + 2))
     service, target = PlayedService("r3"), PlayedTarget()
     result = await _move(redis_client, agent, service, target)
-    assert result.outcome == pb.FAILED and "lost its blocks" in result.detail
+    assert (result.outcome, result.code) == (pb.FAILED, "step_failed") and "lost its blocks" in result.detail
     # It runs on here after the tokens it had; the target's staging is cancelled.
     assert [add.output_token_ids for add in service.resumed] == [service.outputs]
     assert not service.handed_over and len(target.cancels) == 1 and not target.commits
@@ -384,7 +384,9 @@ async def test_an_engine_of_several_workers_refuses_to_move_its_requests(
     request on its target. Refused, with the reason, before anything is asked of the target."""
     agent, service, target = PlayedAgent(stages=[], final=_sent(0, 1, 1)), PlayedService("r1"), PlayedTarget()
     result = await _move(redis_client, agent, service, target, **parallel)
-    assert result.outcome == pb.REFUSED and "rank to rank" in result.detail, result
+    assert (result.outcome, result.code) == (pb.REFUSED, "sharded") and "rank to rank" in result.detail, (
+        result
+    )
     assert agent.commands == [] and not target.commits and not service.handed_over
 
 

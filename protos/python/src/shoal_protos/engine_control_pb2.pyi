@@ -44,7 +44,7 @@ class MigrateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens", "phase_ms", "source_step_ms", "source_step_ms_before")
+    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens", "phase_ms", "source_step_ms", "source_step_ms_before", "code")
     class PhaseMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class MigrationResult(_message.Message):
     PHASE_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_STEP_MS_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     source_engine_id: str
@@ -88,7 +89,8 @@ class MigrationResult(_message.Message):
     phase_ms: _containers.ScalarMap[str, float]
     source_step_ms: float
     source_step_ms_before: float
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ..., phase_ms: _Optional[_Mapping[str, float]] = ..., source_step_ms: _Optional[float] = ..., source_step_ms_before: _Optional[float] = ...) -> None: ...
+    code: str
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ..., phase_ms: _Optional[_Mapping[str, float]] = ..., source_step_ms: _Optional[float] = ..., source_step_ms_before: _Optional[float] = ..., code: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_s", "leave_rotation", "rejoin_after_s")

@@ -111,6 +111,8 @@ class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     # MIGRATED, REFUSED, FAILED or GONE.
     outcome: str
     detail: str = ""
+    # Why it ended so, one word (``MigrationResult.code``); empty in records from before.
+    code: str = ""
     stages: int = 0
     bytes: int = 0
     blocks: int = 0

@@ -233,24 +233,32 @@ class MigrationManager:
         )
         if not request_id:
             detail = f"no running request here has produced a token and has {MIN_TOKENS_LEFT}+ to go"
-            return self._finish(result, pb.GONE, detail, started)
+            return self._finish(result, pb.GONE, detail, started, "no_candidate")
         if request_id in self._moving:
-            return self._finish(result, pb.GONE, "the request is already moving", started)
+            return self._finish(result, pb.GONE, "the request is already moving", started, "already_moving")
         if self._service.tokens_of(request_id) is None:
             moved = self._service.moved_to(request_id)
             where = f" (it moved to {moved})" if moved else ""
-            return self._finish(result, pb.GONE, f"the request is not running here{where}", started)
+            return self._finish(
+                result, pb.GONE, f"the request is not running here{where}", started, "not_running"
+            )
         if self._config.parallel_workers > 1:
-            return self._finish(result, pb.REFUSED, _SHARDED, started)
+            return self._finish(result, pb.REFUSED, _SHARDED, started, "sharded")
         self._moving.add(request_id)
         try:
             await self._migrate(result, started, mode)
         except (MigrationError, grpc.aio.AioRpcError, TimeoutError, RedisError, OSError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            code = "step_failed"
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 # The target died but its record has not expired yet: pick others for a while.
                 self._unreachable[result.target_engine_id] = time.monotonic() + _UNREACHABLE_S
-            return self._finish(result, pb.FAILED, detail or type(exc).__name__, started)
+                code = "target_unreachable"
+            elif isinstance(exc, TimeoutError) or (
+                isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            ):
+                code = "step_timeout"
+            return self._finish(result, pb.FAILED, detail or type(exc).__name__, started, code)
         finally:
             self._moving.discard(request_id)
         return result
@@ -262,7 +270,7 @@ class MigrationManager:
         began = time.monotonic()  # the clock the KV agent stamps the forward passes on
         target = await self._pick_target(result.target_engine_id)
         if target is None:
-            self._finish(result, pb.REFUSED, "no active engine to move to", started)
+            self._finish(result, pb.REFUSED, "no active engine to move to", started, "no_target")
             return
         result.target_engine_id = target.engine_id
         status = await self._agent_status()
@@ -287,7 +295,7 @@ class MigrationManager:
         )
         clock.mark("prepare")
         if not prepared.accepted:
-            self._finish(result, pb.REFUSED, prepared.detail, started)
+            self._finish(result, pb.REFUSED, prepared.detail, started, "target_refused")
             return
         stopped: StoppedRequest | None = None
         try:
@@ -392,10 +400,12 @@ class MigrationManager:
             self._metrics.migration_bytes.observe(result.bytes)
             self._metrics.migration_stages.observe(result.stages)
             self._metrics.migration_downtime.observe(result.downtime_ms / 1000)
-            self._finish(result, pb.MIGRATED, "", started)
+            self._finish(result, pb.MIGRATED, "", started, "moved")
         except _GoneError:
             await self._cancel(stub, result.migration_id)
-            self._finish(result, pb.GONE, "the request finished before it could move", started)
+            self._finish(
+                result, pb.GONE, "the request finished before it could move", started, "finished_first"
+            )
         except BaseException:
             await self._cancel(stub, result.migration_id)
             if stopped is not None:
@@ -487,7 +497,10 @@ class MigrationManager:
             async with limit:
                 if time.monotonic() > deadline:
                     return pb.MigrationResult(
-                        request_id=request_id, outcome=pb.FAILED, detail="drain deadline passed"
+                        request_id=request_id,
+                        outcome=pb.FAILED,
+                        detail="drain deadline passed",
+                        code="drain_deadline",
                     )
                 try:
                     return await self.migrate(request_id, "", "drain")
@@ -495,7 +508,9 @@ class MigrationManager:
                     # One move's surprise must not cut the drain short: the others go on, and
                     # the engine still unregisters after it.
                     logger.exception("drain: moving %s failed", request_id)
-                    return pb.MigrationResult(request_id=request_id, outcome=pb.FAILED, detail=repr(exc))
+                    return pb.MigrationResult(
+                        request_id=request_id, outcome=pb.FAILED, detail=repr(exc), code="step_failed"
+                    )
 
         while time.monotonic() < deadline:
             pending = self._service.request_ids()
@@ -625,10 +640,11 @@ class MigrationManager:
             logger.warning("could not record the new owner of %s: %s", add.request_id, exc)
 
     def _finish(
-        self, result: pb.MigrationResult, outcome: int, detail: str, started: float
+        self, result: pb.MigrationResult, outcome: int, detail: str, started: float, code: str
     ) -> pb.MigrationResult:
         result.outcome = outcome  # type: ignore[assignment]
         result.detail = detail
+        result.code = code
         result.duration_ms = (time.perf_counter() - started) * 1000
         name = _OUTCOME_NAMES[outcome]
         self._metrics.migrated("source", result.reason, name)
@@ -664,6 +680,7 @@ class MigrationManager:
             reason=result.reason,
             outcome=outcome,
             detail=result.detail,
+            code=result.code,
             stages=result.stages,
             bytes=result.bytes,
             blocks=result.blocks,
