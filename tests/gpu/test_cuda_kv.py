@@ -152,6 +152,7 @@ def start() -> Iterator[Callable[..., Started]]:
                 data,
                 transport=transport,
                 timeout_s=TIMEOUT_S,
+                debug_reads=True,
                 **options,
             )
         )

@@ -105,6 +105,8 @@ def _config(
         engine_silence_grace_s=2.0,
         drain_timeout_s=5.0,
         migration_step_timeout_s=3.0,
+        # The migration tests compare the bytes a move copied.
+        kv_debug_reads=True,
     )
 
 

@@ -54,6 +54,7 @@ class Pair:
                 transport=transport,
                 chunk_bytes=chunk_bytes,
                 timeout_s=5,
+                debug_reads=True,
             )
             for kv_caches, control, data in ((self.source_kv, "sc", "sd"), (self.target_kv, "tc", "td"))
         )
@@ -500,4 +501,23 @@ def test_a_flood_of_data_connections_is_capped() -> None:
     finally:
         for conn in conns:
             conn.close()
+        agent.close()
+
+
+def test_kv_reads_are_not_served_unless_asked(tmp_path: Path) -> None:
+    """``ReadBlocks`` and ``ReadStaged`` hand out KV bytes: an agent serves them only with
+    ``debug_reads`` (the engine's ``--kv-debug-reads``, which the tests' fleets set)."""
+    agent = KvAgent(_kv(1), BLOCKS, BLOCK, f"ipc://{tmp_path}/c", f"ipc://{tmp_path}/d")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.connect(f"ipc://{tmp_path}/c")
+    try:
+        for command in (kv.ReadBlocks("r", 0, 1), kv.ReadStaged("m")):
+            sock.send(kv.encoder.encode(command))
+            assert sock.poll(10_000)
+            reply = kv.agent_reply_decoder.decode(sock.recv())
+            assert isinstance(reply, kv.AgentError) and "--kv-debug-reads" in reply.message, reply
+    finally:
+        sock.close(linger=0)
+        ctx.term()
         agent.close()

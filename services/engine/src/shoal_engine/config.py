@@ -167,6 +167,10 @@ class EngineConfig(BaseModel):
     memory; on GPU engines the arena is all there is (a move that does not fit fails and the
     request stays on its source), and it is taken out of vLLM's GPU memory budget."""
 
+    kv_debug_reads: bool = False
+    """Whether the KV agent serves ``ReadBlocks`` and ``ReadStaged``: KV bytes handed out for
+    tests to compare what a move copied. Off in production."""
+
     kv_max_pairs: int = Field(default=4, ge=1, le=64)
     """Most ``gloo`` or ``nccl`` pair groups this engine keeps open to send (the least recently
     used is closed for a new one) and to receive (a join beyond them is refused): each NCCL

@@ -143,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument(
         "--kv-max-pairs", type=int, default=4, help="gloo/nccl pair groups kept open each way"
     )
+    parser.add_argument(
+        "--kv-debug-reads", action="store_true", help="serve KV reads on the agent's control socket (tests)"
+    )
     parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens")
     parser.add_argument("--migration-max-stages", type=int, default=4)
     parser.add_argument("--migration-last-stage-max-blocks", type=int, default=2)
@@ -204,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         kv_transport=args.kv_transport,
         kv_staging_mib=args.kv_staging_mib,
         kv_max_pairs=args.kv_max_pairs,
+        kv_debug_reads=args.kv_debug_reads,
         block_size=args.block_size,
         migration_max_stages=args.migration_max_stages,
         migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,

@@ -77,6 +77,9 @@ class FleetConfig:
     """Engines load the KV connector and can move running requests to each other."""
     migration_step_timeout_s: float = 10.0
     """Deadline of each migration step (prepare, a KV stage, commit)."""
+    kv_debug_reads: bool = False
+    """Engines' KV agents serve KV reads (the tests compare what moves copied); never in
+    ``make run``."""
     migration_precopy_mib_per_s: int = 0
     """Pace of pre-copy stages in MiB/s (0: unpaced); the engine's --migration-precopy-mib-per-s."""
     migration_precopy_share: float = 0.05
@@ -282,6 +285,8 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 "--migration-precopy-share",
                 str(cfg.migration_precopy_share),
             ]
+            if cfg.kv_debug_reads:
+                command.append("--kv-debug-reads")
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]
         command += _curve_args(cfg)

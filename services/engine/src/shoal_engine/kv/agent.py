@@ -134,10 +134,14 @@ class KvAgent:
         staging_bytes: int = 1 << 30,
         host: str | None = None,
         max_pairs: int = 4,
+        debug_reads: bool = False,
     ) -> None:
         """``host``: where other engines reach this agent, for the rendezvous of ``gloo`` and
-        ``nccl`` pairs; None: the data address's host (which a bind to ``::`` does not name)."""
+        ``nccl`` pairs; None: the data address's host (which a bind to ``::`` does not name).
+        ``debug_reads``: serve ``ReadBlocks`` and ``ReadStaged``, which hand out KV bytes for
+        tests to compare (an engine serves them only when told, ``--kv-debug-reads``)."""
         self.block_size = block_size
+        self._debug_reads = debug_reads
         self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
         shapes = {tuple(t.shape) for t in self._layers}
         if len(shapes) != 1:
@@ -375,6 +379,10 @@ class KvAgent:
             return None
         if isinstance(command, kv.ReadSteps):
             return kv.steps_since(list(self._step_ends), command.since)
+        if isinstance(command, kv.ReadBlocks | kv.ReadStaged) and not self._debug_reads:
+            return kv.AgentError(
+                message="KV reads are not served here (the engine's --kv-debug-reads is off)"
+            )
         if isinstance(command, kv.ReadBlocks):
             with self._lock:
                 table = self._tables.get(command.request_id)

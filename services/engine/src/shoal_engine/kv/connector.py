@@ -251,6 +251,7 @@ class ShoalConnector(KVConnectorBase_V1):
             staging_bytes=int(self._extra.get("staging_bytes", 1 << 30)),
             max_pairs=int(self._extra.get("max_pairs", 4)),
             host=str(self._extra["host"]) if self._extra.get("host") else None,
+            debug_reads=bool(self._extra.get("debug_reads", False)),
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
