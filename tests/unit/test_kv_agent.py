@@ -24,6 +24,7 @@ from shoal_protos import kv
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
 from shoal_router.ipc.engines import _owned, _Tracked
+from tests.integration.support import wait_until
 from tests.unit.listeners import free_ports
 
 BLOCK = 4
@@ -41,7 +42,9 @@ def _kv(seed: int) -> dict[str, torch.Tensor]:
 
 
 class Pair:
-    def __init__(self, folder: Path, transport: str = "tcp", chunk_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self, folder: Path, transport: str = "tcp", chunk_bytes: int = 8 << 20, idle_timeout_s: float = 300.0
+    ) -> None:
         self.source_kv, self.target_kv = _kv(1), _kv(2)
         self.addresses = {name: f"ipc://{folder}/{name}" for name in ("sc", "sd", "tc", "td")}
         self.source, self.target = (
@@ -55,6 +58,7 @@ class Pair:
                 chunk_bytes=chunk_bytes,
                 timeout_s=5,
                 debug_reads=True,
+                idle_timeout_s=idle_timeout_s,
             )
             for kv_caches, control, data in ((self.source_kv, "sc", "sd"), (self.target_kv, "tc", "td"))
         )
@@ -521,3 +525,32 @@ def test_kv_reads_are_not_served_unless_asked(tmp_path: Path) -> None:
         sock.close(linger=0)
         ctx.term()
         agent.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_an_idle_source_connection_is_closed_and_the_next_move_connects_again(
+    tmp_path: Path, transport: str
+) -> None:
+    """The target closes a source's connection that stays idle past its timeout (connections of
+    engines that left do not pile up); the source sees it closed and connects again for its
+    next move, which goes through."""
+    pair = Pair(tmp_path, transport, idle_timeout_s=0.5)
+
+    def sources() -> int:
+        status = pair.call("target", kv.AgentStatus())
+        assert isinstance(status, kv.Status)
+        return status.sources
+
+    try:
+        _run(pair.source, "r", [9, 3, 4, 5], tokens=4 * BLOCK)
+        assert pair.call("source", kv.Connect(pair.addresses["td"])) is None
+        wait_until(lambda: sources() == 1, 10, "the target to serve the connection")
+        wait_until(lambda: sources() == 0, 10, "the target to close the idle connection")
+        sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
+        assert isinstance(sent, kv.SentBlocks) and sent.blocks == 4, sent
+        staged = pair.call("target", kv.ReadStaged("m"))
+        source = pair.call("source", kv.ReadBlocks("r", 0, 4))
+        assert isinstance(staged, kv.BlockBytes) and isinstance(source, kv.BlockBytes)
+        assert staged.data == source.data
+    finally:
+        pair.close()

@@ -147,6 +147,8 @@ class Status(_Tagged):
     staging_areas: dict[str, int]
     staged_bytes: int
     tracked_requests: int
+    # Source agents' connections the data port serves now.
+    sources: int = 0
 
 
 class Steps(_Tagged):

@@ -63,6 +63,9 @@ _CHUNKS_IN_FLIGHT = 4
 
 MAX_SOURCES = 64
 """Source agents' connections served at once, a thread each; more are closed as they come."""
+DATA_IDLE_S = 300.0
+"""A source's connection with no message for this long is closed (its source connects again
+for its next move): connections do not pile up from engines that left."""
 
 
 @dataclass(slots=True)
@@ -135,6 +138,7 @@ class KvAgent:
         host: str | None = None,
         max_pairs: int = 4,
         debug_reads: bool = False,
+        idle_timeout_s: float = DATA_IDLE_S,
     ) -> None:
         """``host``: where other engines reach this agent, for the rendezvous of ``gloo`` and
         ``nccl`` pairs; None: the data address's host (which a bind to ``::`` does not name).
@@ -142,6 +146,7 @@ class KvAgent:
         tests to compare (an engine serves them only when told, ``--kv-debug-reads``)."""
         self.block_size = block_size
         self._debug_reads = debug_reads
+        self._idle_timeout_s = idle_timeout_s
         self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
         shapes = {tuple(t.shape) for t in self._layers}
         if len(shapes) != 1:
@@ -415,6 +420,7 @@ class KvAgent:
                 staging_areas={m: len(s.chunks) for m, s in self._staging.items()},
                 staged_bytes=sum(s.nbytes for s in self._staging.values()),
                 tracked_requests=len(self._tables),
+                sources=len(self._peers),
             )
 
     def _send_blocks(self, command: kv.SendBlocks) -> kv.AgentReply:
@@ -524,8 +530,14 @@ class KvAgent:
                 if arriving and (len(arriving) >= _CHUNKS_IN_FLIGHT or not arriving[-1].header.more):
                     ack, in_step = self._finish_stage(arriving)
                 else:
-                    conn.settimeout(None)  # idle until the next message
-                    raw = read_message(conn)
+                    conn.settimeout(self._idle_timeout_s)  # idle until the next message
+                    try:
+                        raw = read_message(conn)
+                    except TimeoutError:
+                        logger.info(
+                            "KV agent: closed a source connection idle for %.0f s", self._idle_timeout_s
+                        )
+                        break
                     conn.settimeout(self._timeout_s)
                     message = kv.data_message_decoder.decode(raw)
                     if isinstance(message, kv.PairJoin):

@@ -33,6 +33,7 @@ import datetime
 import functools
 import logging
 import os
+import select
 import socket
 import struct
 import uuid
@@ -236,6 +237,14 @@ def release_group(group: dist.ProcessGroup) -> None:
         logger.warning("KV transport: a pair group did not shut down cleanly: %s", exc)
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether ``sock`` is no longer fit to send on: between moves a target sends nothing, so
+    anything to read (the end of the stream, once it closed the connection) says so."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class Transport:
     """The sending half of every transport: a connection per target agent and, for ``gloo`` and
     ``nccl``, rank 0 of a process group per target."""
@@ -261,7 +270,10 @@ class Transport:
 
     def connect(self, target: str) -> None:
         if target in self._connections:
-            return
+            if not _closed_by_peer(self._connections[target]):
+                return
+            # The target closed it (idle too long, or it restarted): connect again.
+            self._drop(target)
         try:
             sock = _dial(target, self._timeout_s)
         except OSError as exc:
