@@ -17,7 +17,9 @@ remove it from the index.
 
 from __future__ import annotations
 
+import argparse
 import enum
+import os
 
 import msgspec
 import redis.asyncio as aioredis
@@ -189,6 +191,21 @@ engine_record_decoder = msgspec.json.Decoder(EngineRecord)
 load_report_decoder = msgspec.json.Decoder(LoadReport)
 owner_record_decoder = msgspec.json.Decoder(OwnerRecord)
 migration_record_decoder = msgspec.json.Decoder(MigrationRecord)
+
+
+LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""The Redis a service uses when told of none."""
+
+
+def add_redis_url_option(parser: argparse.ArgumentParser) -> None:
+    """``--redis-url``, as engines and routers take it: from ``$REDIS_URL`` by default, where a
+    password belongs (every process on the node can read a command line)."""
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", LOCAL_REDIS_URL),
+        help=f"Redis URL (default: $REDIS_URL, else {LOCAL_REDIS_URL}); a password belongs in "
+        "the environment, not here: every process on the node can read a command line",
+    )
 
 
 def state_client(url: str, timeout_s: float) -> aioredis.Redis:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shoal_protos.addresses import host_port, http_url, resolve_bind_host, tcp_url
+from shoal_protos.records import LOCAL_REDIS_URL
 
 LOOPBACK = "127.0.0.1"
 """Where the KV agent's control socket listens: every pod has this address, and only its own
@@ -28,7 +29,7 @@ class EngineConfig(BaseModel):
     cluster: str = Field(default="default", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Cluster name: prefixes every Redis key, so clusters can share one Redis."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = LOCAL_REDIS_URL
     """Redis holding the fleet state."""
 
     redis_timeout_s: float = Field(default=1.0, gt=0.0)

@@ -46,7 +46,14 @@ from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.addresses import is_loopback, listen_tcp, same_ip
 from shoal_protos.grpc_errors import RefuseUndecodable
 from shoal_protos.messages import PROTOCOL_VERSION, AbortRequest, AddRequest
-from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, state_client
+from shoal_protos.records import (
+    EngineRecord,
+    EngineState,
+    Keys,
+    LoadReport,
+    add_redis_url_option,
+    state_client,
+)
 from shoal_protos.tasks import Supervisor
 
 logger = logging.getLogger("shoal.engine")
@@ -71,12 +78,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
     parser.add_argument("--served-model-name", required=True)
     parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
     parser.add_argument("--cluster", default="default")
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0); a password belongs in "
-        "the environment, not here: every process on the node can read a command line",
-    )
+    add_redis_url_option(parser)
     parser.add_argument(
         "--host",
         default="127.0.0.1",

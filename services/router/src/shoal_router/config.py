@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal_protos.addresses import resolve_bind_host, tcp_url
+from shoal_protos.records import LOCAL_REDIS_URL
 from shoal_router.core.scheduling import Scheduler
 
 
@@ -21,7 +22,7 @@ class RouterConfig(BaseModel):
     router_id: str = Field(default="router-0", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Unique id of this router; prefixes its request ids."""
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = LOCAL_REDIS_URL
     """Redis holding the fleet state."""
 
     redis_timeout_s: float = Field(default=1.0, gt=0.0)

@@ -14,7 +14,6 @@ import contextlib
 import faulthandler
 import gc
 import logging
-import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from types import FrameType
@@ -26,7 +25,7 @@ from fastapi import FastAPI
 
 from shoal_protos import curve
 from shoal_protos.addresses import bare_host, stream_socket
-from shoal_protos.records import Keys, state_client
+from shoal_protos.records import Keys, add_redis_url_option, state_client
 from shoal_protos.tasks import Supervisor
 from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.auth import KeyFile
@@ -60,12 +59,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument("--model", action="append", default=[], help="served model name; repeatable")
     parser.add_argument("--cluster", default="default")
     parser.add_argument("--router-id", default="router-0")
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
-        help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0); a password belongs in "
-        "the environment, not here: every process on the node can read a command line",
-    )
+    add_redis_url_option(parser)
     parser.add_argument("--tokenizer", default="127.0.0.1:50051", help="host:port of the tokenizer service")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address engines are told to send outputs to (ZeroMQ)"

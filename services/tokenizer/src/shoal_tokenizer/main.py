@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
     parser.add_argument(
         "--max-input-chars",
         type=int,
-        default=2_000_000,
-        help="longest input tokenized, in characters; longer is refused (400 at the router)",
+        default=None,
+        help="longest input tokenized, in characters; longer is refused (400 at the router; "
+        f"default {TokenizerConfig.model_fields['max_input_chars'].default:,})",
     )
     args = parser.parse_args(argv)
     models: dict[str, Path] = {}
@@ -68,15 +69,19 @@ def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
         if not sep or not name or not path:
             parser.error(f"--model expects NAME=PATH, got {item!r}")
         models[name] = Path(path)
-    optional = {"threads": args.threads} if args.threads is not None else {}
+    # Left out when not given: the settings model holds the defaults.
+    given = {
+        name: value
+        for name, value in (("threads", args.threads), ("max_input_chars", args.max_input_chars))
+        if value is not None
+    }
     return TokenizerConfig(
         models=models,
         revision=args.revision,
         host=args.host,
         bind_host=args.bind_host,
         port=args.port,
-        max_input_chars=args.max_input_chars,
-        **optional,
+        **given,
     )
 
 
