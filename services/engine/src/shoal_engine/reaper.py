@@ -53,6 +53,10 @@ def watch(engine_pid: int, poll_s: float = POLL_S) -> list[psutil.Process]:
             now = [p for p in engine.children(recursive=True) if p.pid != me]
         except psutil.NoSuchProcess:
             break
+        if os.getppid() != engine_pid:
+            # The engine died during this look: its children (this process among them) went to
+            # a new parent at once, so the look may have found none. The one before stands.
+            break
         if {p.pid for p in now} != {p.pid for p in descendants}:
             pids = " ".join(str(p.pid) for p in sorted(now, key=lambda p: p.pid))
             print(f"shoal-engine reaper: engine {engine_pid} runs processes {pids or '(none)'}", flush=True)
