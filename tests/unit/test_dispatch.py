@@ -137,3 +137,38 @@ def test_an_engine_that_does_not_count_has_its_report_cover_every_send() -> None
     engine.sent(10, now=0.0)
     engine.update_report(LoadReport(engine_id="a", seq=2, time=2.0, num_running=1), now=0.1)
     assert (engine.sent_since_report, engine.pending_blocks) == (0, 0)
+
+
+def _live_report(seq: int, running: int, mine: int, received: int) -> LoadReport:
+    """A report of ``running`` requests, ``mine`` of them from ``ROUTER``."""
+    others = running - mine
+    return LoadReport(
+        engine_id="a", seq=seq, time=float(seq), num_running=running, kv_blocks_used=0,
+        kv_blocks_free=1000, received={ROUTER: received, "tcp://10.0.0.6:5700": 40},
+        live={ROUTER: mine, "tcp://10.0.0.6:5700": others} if others else {ROUTER: mine},
+    )  # fmt: skip
+
+
+def test_requests_of_this_router_that_ended_since_the_report_do_not_count() -> None:
+    # Six requests of this router ran there when the engine wrote its report; all six ended
+    # since (the router saw them end), and a new request comes before the next report: the
+    # engine is idle, not busy with six.
+    engine = _counting_view()
+    for _ in range(6):
+        engine.sent(1, now=0.0)
+    engine.update_report(_live_report(2, running=6, mine=6, received=6), now=0.1)
+    assert engine.requests() == 6
+    for _ in range(6):
+        engine.inflight -= 1
+    assert engine.requests() == 0
+    assert engine.free == 1000.0
+
+
+def test_other_routers_requests_count_from_the_report() -> None:
+    engine = _counting_view()
+    engine.sent(1, now=0.0)  # one of ours, not in the report yet
+    engine.update_report(_live_report(2, running=3, mine=0, received=0), now=0.1)
+    assert engine.requests() == 3 + 1
+    # An engine that does not say whose are whose: the report plus the sends it does not cover.
+    engine.update_report(_counted(3, running=3, received=0), now=0.2)
+    assert engine.requests() == 3 + 1

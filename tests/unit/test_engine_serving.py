@@ -315,6 +315,7 @@ async def test_a_lost_router_has_its_requests_aborted_and_no_other(
     await backend.wait_started("a1", "a2", "b1")
 
     assert service.received == {ROUTER_A: 2, ROUTER_B: 1}  # what load reports carry
+    assert service.live_by_router() == {ROUTER_A: 2, ROUTER_B: 1}
     assert service.router_lost(ROUTER_A) == 2
     assert service.received == {ROUTER_B: 1}  # a router gone is no longer counted for
     await send.wait_final("a1")

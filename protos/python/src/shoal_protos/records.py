@@ -83,6 +83,12 @@ class LoadReport(msgspec.Struct, omit_defaults=True, kw_only=True):
     # router's output address (``AddRequest.reply_to``): a router counts what it sent that the
     # report cannot cover yet as exactly what it sent past this count.
     received: dict[str, int] = msgspec.field(default_factory=dict)
+    # Requests of each router (by its output address) live on the engine as the report was
+    # written: a router knows its own requests there exactly and as of now, so it counts only
+    # the other routers' from the report. An engine's counts can be a report behind: the report
+    # written just before its last requests ended says they run until the next one, and a
+    # router reading it then would think an idle engine busy. None: the engine does not say.
+    live: dict[str, int] | None = None
 
 
 class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):

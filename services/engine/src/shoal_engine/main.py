@@ -415,6 +415,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
                 round(config.priority_headroom * info.kv_blocks_total * service.num_priority),
             ),
             received=dict(service.received),
+            live=service.live_by_router(),
         )
 
     redis_client = state_client(config.redis_url, config.redis_timeout_s)

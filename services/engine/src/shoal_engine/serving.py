@@ -22,6 +22,7 @@ an ABORT that still arrives here is passed on.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -202,6 +203,10 @@ class EngineService:
     def num_priority(self) -> int:
         """Priority requests (priority below 0) the engine holds."""
         return sum(1 for running in self._running.values() if running.add.priority < 0)
+
+    def live_by_router(self) -> dict[str, int]:
+        """Requests running here now, by their router's output address (``LoadReport.live``)."""
+        return dict(collections.Counter(running.add.reply_to for running in self._running.values()))
 
     def max_tokens_of(self, request_id: str) -> int | None:
         running = self._running.get(request_id)

@@ -8,6 +8,12 @@ and this router numbers its sends to the engine, so a report read 90 ms after it
 leaves the sends of those 90 ms counted. An engine that does not count (or a view that does not
 know its router's address, as in the fleet simulation, whose reports are written and read at
 the same instant) has every send before the report taken as covered.
+
+How many requests an engine holds (``held``) counts this router's own there as it knows them now
+(``inflight``: sent and not ended) and only the other routers' from the report, which says how
+many of each router's were live (``LoadReport.live``): a report is as old as its interval and
+the router's read, and one written just before a batch of requests ended would otherwise have
+the engine look busy, and get nothing, until the next.
 """
 
 from __future__ import annotations
@@ -121,7 +127,13 @@ class EngineView:
             self.free_tokens = self.free * self.block_size
             return
         running, waiting, used = report.num_running, report.num_waiting, report.kv_blocks_used
-        self.held = max(running + waiting + self._sent_since_report, self._inflight)
+        live = report.live
+        if live is not None and self._reply_to:
+            # This router's own requests there are ``_inflight``, exact and current; the report
+            # adds the other routers' (see ``LoadReport.live``).
+            self.held = max(running + waiting - live.get(self._reply_to, 0), 0) + self._inflight
+        else:
+            self.held = max(running + waiting + self._sent_since_report, self._inflight)
         self.room = report.kv_blocks_free - self._pending_blocks
         # Llumnix's freeness: blocks left per batch slot once what runs, was sent and waits is
         # counted; a waiting request is taken to need as many blocks as a running one on average.
@@ -200,7 +212,8 @@ class EngineView:
             self._derive()
 
     def requests(self) -> int:
-        """Requests the engine holds as this router sees them: the report's running and waiting
-        plus those sent since. This router's in-flight count is a floor: the report may predate
-        requests it still runs there."""
+        """Requests the engine holds as this router sees them: its own there now plus the other
+        routers' as the report counts them; from an engine that does not say whose are whose,
+        the report's running and waiting plus those sent since (this router's in-flight count a
+        floor: the report may predate requests it still runs there)."""
         return self.held
