@@ -40,6 +40,7 @@ from report import update_section
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos import tls
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "reliability.md"
@@ -161,7 +162,7 @@ def chaos(fleet: Fleet, cfg: FleetConfig, args: argparse.Namespace, started: flo
             engine = rng.randrange(cfg.engines)
             address = f"{cfg.host}:{cfg.engine_control_base_port + engine}"
             try:
-                with grpc.insecure_channel(address) as channel:
+                with tls.channel(address, tls.load_optional(cfg.fleet_tls_dir)) as channel:
                     result = pb_grpc.EngineControlStub(channel).Drain(
                         pb.DrainRequest(deadline_s=20), timeout=30
                     )

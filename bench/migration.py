@@ -7,9 +7,9 @@ every vLLM worker) in this process, the source holding a synthetic bf16 KV cache
 layout (30 layers, 32-token blocks, 3 KV heads of 64: 737,280 bytes per block). One request's
 blocks, 8 MB to 1 GB, go through the source agent's control socket (``SendBlocks``) into the
 target agent's staging area over loopback, exactly as in a migration, once per transport
-(``tcp``, ``gloo``). Beside them, in the same run, raw loopback TCP: one ``sendall`` of the same
-number of random bytes into a ``recv_into`` loop over one reused buffer. Each size runs
-``--repeats`` times; the table shows the median.
+(``tcp``, ``gloo``, and ``tcp`` over the fleet's mutual TLS). Beside them, in the same run, raw
+loopback TCP: one ``sendall`` of the same number of random bytes into a ``recv_into`` loop over
+one reused buffer. Each size runs ``--repeats`` times; the table shows the median.
 
 **Stall** (SmolLM2-135M-Instruct, a fleet of two CPU engines): for each context length, a
 streaming greedy request with a prompt of that many random token ids (fresh per request, so no
@@ -67,6 +67,7 @@ import random
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -82,9 +83,9 @@ sys.path.insert(0, str(ROOT))
 from report import bootstrap_interval, update_section  # noqa: E402
 
 from shoal_engine.kv.agent import KvAgent, TableUpdate  # noqa: E402
-from shoal_fleet.launcher import Fleet, FleetConfig  # noqa: E402
+from shoal_fleet.launcher import Fleet, FleetConfig, write_fleet_tls  # noqa: E402
 from shoal_protos import engine_control_pb2 as pb  # noqa: E402
-from shoal_protos import kv  # noqa: E402
+from shoal_protos import kv, tls  # noqa: E402
 from shoal_protos.records import MIGRATION_PHASES as PHASES  # noqa: E402
 from shoal_protos.records import TARGET_PHASES  # noqa: E402
 
@@ -92,7 +93,9 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results"  # git-ignored: every run's numbers
 BEGIN, END = "<!-- migration:begin -->", "<!-- migration:end -->"
 SMOL_LAYERS, SMOL_BLOCK_BYTES = 30, 2 * 32 * 3 * 64 * 2  # per layer: K and V, 32 tokens, 3 heads of 64, bf16
-TRANSPORTS = ("tcp", "gloo")
+TRANSPORTS = ("tcp", "gloo", "tls")
+"""``tls``: ``tcp`` over the fleet's mutual TLS (``shoal_protos.tls``), as engines run it where
+the fleet has its TLS files (the operator's fleets and ``make run`` by default)."""
 MODES = {
     "precopy": pb.PRECOPY,
     "precopy_unwarmed": pb.PRECOPY_UNWARMED,
@@ -147,7 +150,11 @@ def agent_seconds(nbytes: int, repeats: int, transport: str) -> list[float]:
     target_kv = {
         f"l{i}": torch.zeros(1, SMOL_BLOCK_BYTES // 2, dtype=torch.bfloat16) for i in range(SMOL_LAYERS)
     }
-    src = KvAgent(source_kv, blocks, 32, "tcp://127.0.0.1:27101", "tcp://127.0.0.1:27102", transport)
+    fleet_tls = tls.write(Path(tempfile.mkdtemp()) / "tls") if transport == "tls" else None
+    transport = "tcp" if transport == "tls" else transport
+    src = KvAgent(
+        source_kv, blocks, 32, "tcp://127.0.0.1:27101", "tcp://127.0.0.1:27102", transport, tls=fleet_tls
+    )
     # A staging arena that holds the whole transfer (the engine's default is 1 GiB).
     dst = KvAgent(
         target_kv,
@@ -157,6 +164,7 @@ def agent_seconds(nbytes: int, repeats: int, transport: str) -> list[float]:
         "tcp://127.0.0.1:27104",
         transport,
         staging_bytes=nbytes + (64 << 20),
+        tls=fleet_tls,
     )
     src.update_tables([TableUpdate("r", "r-v", list(range(blocks)), True, 0)], [])
     src.step_done([TableUpdate("r", "r-v", [], False, blocks * 32)])
@@ -230,7 +238,8 @@ def _control_stubs(fleet_cfg: FleetConfig) -> dict[str, Any]:
         client = redis.Redis.from_url(fleet_cfg.redis_url)
         for engine_id in ("engine-0", "engine-1"):
             raw = client.get(Keys(fleet_cfg.cluster).engine(engine_id))
-            channel = grpc.insecure_channel(engine_record_decoder.decode(raw).control_address)
+            address = engine_record_decoder.decode(raw).control_address
+            channel = tls.channel(address, tls.load_optional(fleet_cfg.fleet_tls_dir))
             grpc.channel_ready_future(channel).result(timeout=60)
             _CONTROL[engine_id] = pb_grpc.EngineControlStub(channel)
     return _CONTROL
@@ -361,6 +370,8 @@ def bench_fleet(max_model_len: int, pace: str, block_size: int) -> FleetConfig:
         kv_block_size=block_size,
         migration_precopy_mib_per_s=precopy_mib_per_s,
         migration_precopy_share=precopy_share,
+        # As `make run` and the operator's fleets: EngineControl and KV data over mutual TLS.
+        fleet_tls_dir=write_fleet_tls(ROOT / ".cache" / "bench" / "migration" / "fleet-tls"),
     )
 
 
@@ -673,7 +684,7 @@ def plots(bw: list[dict[str, Any]], stalls: list[dict[str, Any]]) -> None:
     if bw:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot([r["mb"] for r in bw], [r["raw_gbps"] for r in bw], "o-", label="raw loopback TCP")
-        for transport, marker in zip(TRANSPORTS, "s^", strict=True):
+        for transport, marker in zip(TRANSPORTS, "s^D", strict=True):
             ax.plot(
                 [r["mb"] for r in bw],
                 [r[f"{transport}_gbps"] for r in bw],
@@ -737,21 +748,24 @@ def section(
             "is touched for the first time; later migrations find both ready.",
             "",
             "| size | raw loopback TCP | Shoal tcp | share of raw | Shoal gloo | share of raw "
-            "| tcp, cold | gloo, cold |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|",
+            "| Shoal tcp, mutual TLS | share of raw | tcp, cold | gloo, cold | TLS, cold |",
+            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
         lines += [
             f"| {r['mb']} MB | {r['raw_gbps']:.2f} GB/s "
             f"| {r['tcp_gbps']:.2f} GB/s | {100 * r['tcp_ratio']:.0f} % "
             f"| {r['gloo_gbps']:.2f} GB/s | {100 * r['gloo_ratio']:.0f} % "
-            f"| {r['tcp_cold_gbps']:.2f} GB/s | {r['gloo_cold_gbps']:.2f} GB/s |"
+            f"| {r['tls_gbps']:.2f} GB/s | {100 * r['tls_ratio']:.0f} % "
+            f"| {r['tcp_cold_gbps']:.2f} GB/s | {r['gloo_cold_gbps']:.2f} GB/s "
+            f"| {r['tls_cold_gbps']:.2f} GB/s |"
             for r in bw
         ]
         lines += ["", "![bandwidth](img/migration_bandwidth.png)", ""]
     if stalls:
         lines += [
             "**Stall.** SmolLM2-135M-Instruct, two CPU engines (one core each, KV blocks of "
-            f"{args.block_size} tokens), a streaming greedy "
+            f"{args.block_size} tokens, EngineControl and KV data over mutual TLS as in `make run`), "
+            "a streaming greedy "
             f"request moved after {args.move_after} tokens; stall = the gap before the client's first "
             "token from the target, minus the stream's median inter-token gap; 'target's clock' = the "
             "same from the source's last token to the target's first, as the target recorded it (no "

@@ -28,7 +28,7 @@ import redis
 import redis.asyncio as aioredis
 from _pytest.reports import TestReport
 
-from shoal_fleet.launcher import Fleet, FleetConfig, write_curve_key
+from shoal_fleet.launcher import Fleet, FleetConfig, write_curve_key, write_fleet_tls
 from shoal_protos.records import Keys
 from tests.integration.support import (
     MODELS,
@@ -140,10 +140,13 @@ def _fleets(
         # blocks, so their moves pre-copy full blocks before the stop.
         "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=2, offset=1, dtype="float32"),
     }
-    # The SmolLM2 fleet speaks CURVE between its router and engines (every test on it runs
-    # through the encrypted sockets); the tiny fleet stays plain for the hostile-frames test.
+    # The SmolLM2 fleet speaks CURVE between its router and engines, and mutual TLS on
+    # EngineControl and the KV data links, as the operator's fleets do (every test on it runs
+    # through the encrypted links); the tiny fleet stays plain for the hostile-frames test.
     configs["smol"] = dataclasses.replace(
-        configs["smol"], zmq_curve_key_file=write_curve_key(run_dir / "smol-fleet.key")
+        configs["smol"],
+        zmq_curve_key_file=write_curve_key(run_dir / "smol-fleet.key"),
+        fleet_tls_dir=write_fleet_tls(run_dir / "smol-tls"),
     )
     fleets = {
         name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()

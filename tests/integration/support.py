@@ -30,7 +30,7 @@ import zmq
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
-from shoal_protos import kv
+from shoal_protos import kv, tls
 from shoal_protos.records import (
     TARGET_PHASES,
     EngineRecord,
@@ -220,6 +220,11 @@ class RunningFleet:
         return self.cfg.base_url
 
     @property
+    def fleet_tls(self) -> tls.FleetTls | None:
+        """The fleet's TLS files, which its engines' EngineControl asks of callers (None: plain)."""
+        return tls.load_optional(self.cfg.fleet_tls_dir)
+
+    @property
     def model(self) -> str:
         return self.cfg.served_model_name
 
@@ -243,7 +248,8 @@ class RunningFleet:
         assert record is not None and record.control_address, f"{engine_id} takes no migrations"
         channel = self.channels.get(record.control_address)
         if channel is None:
-            channel = self.channels[record.control_address] = grpc.insecure_channel(record.control_address)
+            channel = tls.channel(record.control_address, self.fleet_tls)
+            self.channels[record.control_address] = channel
         return pb_grpc.EngineControlStub(channel)
 
     def close(self) -> None:

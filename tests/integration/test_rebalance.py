@@ -74,10 +74,10 @@ async def test_two_routers_one_balancing_every_stream_exactly_once(
     smol_fleet: RunningFleet, tmp_path: Path
 ) -> None:
     cfg = smol_fleet.cfg
-    assert cfg.zmq_curve_key_file is not None
+    assert cfg.zmq_curve_key_file is not None and cfg.fleet_tls_dir is not None
     args = (
         "--balance", "--balance-interval", "0.3", "--balance-cooldown", "1",
-        "--zmq-curve-key-file", cfg.zmq_curve_key_file,
+        "--zmq-curve-key-file", cfg.zmq_curve_key_file, "--fleet-tls-dir", cfg.fleet_tls_dir,
     )  # fmt: skip
     crowded, idle = (cfg.engine_id(i) for i in range(2))
     prompts = [[1100 + 17 * i + j for j in range(6)] for i in range(STREAMS_A + STREAMS_B)]

@@ -18,12 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from shoal_operator.children import REDIS_PORT, REDIS_START
 
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.registry import EngineRegistration
@@ -181,3 +183,34 @@ async def test_clients_without_the_password_tls_or_trust_get_nothing(
             await client.set(Keys("secured").engines, b"x")
     finally:
         await client.aclose()
+
+
+def test_the_managed_redis_takes_its_password_from_a_file_not_its_command_line(tmp_path: Path) -> None:
+    """The operator's managed Redis starts with ``REDIS_START`` (``sh -c``, its image's shell):
+    run here with the real redis-server, the password (with the characters a config file
+    quotes) works, a wrong one does not, and no process's command line carries it."""
+    password = 'pa ss"w\\ord'
+    port = free_port()
+    script = REDIS_START.replace("/data/", f"{tmp_path}/").replace(f"--port {REDIS_PORT}", f"--port {port}")
+    env = {**os.environ, "REDIS_PASSWORD": password}
+    proc = subprocess.Popen(["sh", "-c", script], env=env, cwd=tmp_path)
+    try:
+        client = redis.Redis(port=port, password=password, socket_timeout=STALL_S)
+        deadline = time.monotonic() + STALL_S
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server did not start"
+                assert time.monotonic() < deadline, "redis-server did not answer"
+                time.sleep(0.05)
+        with pytest.raises(AuthenticationError):
+            redis.Redis(port=port, password="guess", socket_timeout=STALL_S).ping()
+        # ``exec``: the shell became redis-server, whose command line names the file only.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert b"redis-server" in cmdline and password.encode() not in cmdline, cmdline
+        assert oct((tmp_path / "auth.conf").stat().st_mode & 0o777) == oct(0o600)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=STALL_S)

@@ -103,11 +103,13 @@ def _running_pod(name: str) -> dict[str, Any]:
     return {"metadata": {"name": name}, "status": status}
 
 
-async def _ask_drain(asked_by: str, cluster: Cluster, record: EngineRecord) -> Drained:
-    """Drain the engine the way ``asked_by`` names: the operator's drainer, or the pod's hook."""
+async def _ask_drain(asked_by: str, fleet: RunningFleet, cluster: Cluster, record: EngineRecord) -> Drained:
+    """Drain the engine the way ``asked_by`` names: the operator's drainer (with the fleet's TLS
+    files, as the operator reads them from their Secret), or the pod's hook."""
     if asked_by == "operator":
         drainer = GrpcDrainer(rejoin_after_s=REJOIN_AFTER_S)
-        (drained,) = await drainer.drain(cluster, [Leaving(record.engine_id, record.control_address)])
+        leaving = [Leaving(record.engine_id, record.control_address)]
+        (drained,) = await drainer.drain(cluster, leaving, fleet.fleet_tls)
         return drained
     return await _prestop_drain(record.http_address, record.engine_id)
 
@@ -270,7 +272,7 @@ async def _drain_while_streaming(
             for engine_id in engines:
                 if engine_id != victim:
                     frozen[engine_id].close()
-            drain = asyncio.create_task(_ask_drain(asked_by, cluster, record))
+            drain = asyncio.create_task(_ask_drain(asked_by, fleet, cluster, record))
 
             def draining() -> bool:
                 now = fleet.engine_record(victim)

@@ -118,7 +118,23 @@ def test_engines_follow_the_spec() -> None:
         assert not [a for a in service["args"] if "REDIS" in a or "redis://" in a], service["args"]
         assert "REDIS_URL" in env_of(service)
     redis_container = one(rendered, "StatefulSet", "redis")["spec"]["template"]["spec"]["containers"][0]
-    assert redis_container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    # Its password in a file, not on redis-server's command line (the start script itself is run
+    # with the real redis-server in tests/integration/test_redis_security.py).
+    assert redis_container["command"] == ["sh", "-c", children.REDIS_START]
+    assert "args" not in redis_container and "REDIS_PASSWORD)" not in children.REDIS_START
+    # Mutual TLS between the fleet's parts, from a Secret the operator fills at creation: the
+    # engines serve EngineControl and KV data with it, the balancing router calls with it.
+    tls_secret = one(rendered, "Secret", "engine")
+    assert tls_secret["metadata"]["name"] == "smol-fleet-tls" and "data" not in tls_secret
+    assert tls_secret["metadata"]["annotations"] == {children.GENERATED_TLS_ANNOTATION: "true"}
+    assert args[args.index("--fleet-tls-dir") + 1] == children.FLEET_TLS_DIR
+    pod = one(rendered, "Deployment", "engine")["spec"]["template"]["spec"]
+    assert {"name": "fleet-tls", "mountPath": children.FLEET_TLS_DIR, "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "fleet-tls"]
+    assert volume["secret"]["secretName"] == "smol-fleet-tls"
+    assert [i["key"] for i in volume["secret"]["items"]] == ["ca.crt", "tls.crt", "tls.key"]
     assert env_of(redis_container)["REDISCLI_AUTH"] == env["REDIS_PASSWORD"]
     secret = one(rendered, "Secret", "redis")
     assert "data" not in secret and "stringData" not in secret
@@ -367,3 +383,22 @@ def test_every_fleet_container_binds_all_addresses_and_advertises_its_pod_ip(com
     # would refuse it.
     assert args[args.index("--bind-host") + 1] == "::"
     assert args[args.index("--host") + 1] == "$(POD_IP)"
+
+
+@pytest.mark.parametrize("fleet_tls", [{"enabled": False}, {"secretName": "from-cert-manager"}])
+def test_fleet_tls_off_or_from_a_secret_of_ones_own(fleet_tls: dict[str, Any]) -> None:
+    model = {"source": "SmolLM2", "servedName": "smol"}
+    spec = {"model": model, "router": {"balance": True}, "fleetTLS": fleet_tls}
+    cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(spec))
+    rendered = children.render(cluster)
+    # The operator makes no Secret of its own either way.
+    assert [s["metadata"]["name"] for s in by_kind(rendered, "Secret")] == ["smol-redis-auth"]
+    for component in ("engine", "router"):
+        (container,) = one(rendered, "Deployment", component)["spec"]["template"]["spec"]["containers"]
+        volumes = one(rendered, "Deployment", component)["spec"]["template"]["spec"].get("volumes", [])
+        named = [v["secret"]["secretName"] for v in volumes if v["name"] == "fleet-tls"]
+        if fleet_tls.get("enabled") is False:
+            assert "--fleet-tls-dir" not in container["args"] and named == []
+        else:
+            assert container["args"][container["args"].index("--fleet-tls-dir") + 1] == children.FLEET_TLS_DIR
+            assert named == ["from-cert-manager"]

@@ -8,7 +8,9 @@ as the engine service does.
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,7 +22,7 @@ import zmq
 from shoal_engine.kv.agent import MAX_SOURCES, KvAgent, Load, TableUpdate
 from shoal_engine.kv.connector import ShoalConnector, worker_addresses
 from shoal_engine.kv.transport import Transport, TransportError, check_backend, runs, write_message
-from shoal_protos import kv
+from shoal_protos import kv, tls
 from shoal_protos.messages import RequestPiece
 from shoal_router.core.outputs import RequestOutputCollector
 from shoal_router.ipc.engines import _owned, _Tracked
@@ -42,9 +44,13 @@ def _kv(seed: int) -> dict[str, torch.Tensor]:
 
 
 class Pair:
+    """Two agents on Unix sockets; ``transport`` ``tls`` is ``tcp`` over the fleet's mutual TLS."""
+
     def __init__(
         self, folder: Path, transport: str = "tcp", chunk_bytes: int = 8 << 20, idle_timeout_s: float = 300.0
     ) -> None:
+        fleet_tls = tls.write(folder / "tls") if transport == "tls" else None
+        transport = "tcp" if transport == "tls" else transport
         self.source_kv, self.target_kv = _kv(1), _kv(2)
         self.addresses = {name: f"ipc://{folder}/{name}" for name in ("sc", "sd", "tc", "td")}
         self.source, self.target = (
@@ -59,6 +65,7 @@ class Pair:
                 timeout_s=5,
                 debug_reads=True,
                 idle_timeout_s=idle_timeout_s,
+                tls=fleet_tls,
             )
             for kv_caches, control, data in ((self.source_kv, "sc", "sd"), (self.target_kv, "tc", "td"))
         )
@@ -90,7 +97,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
 
 
 # Chunks of two blocks: runs of consecutive block ids are split, so several messages go per send.
-@pytest.fixture(params=["tcp", "gloo"])
+@pytest.fixture(params=["tcp", "gloo", "tls"])
 def any_pair(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Pair]:
     agents = Pair(tmp_path, request.param, chunk_bytes=2 * LAYERS * WIDTH * 2)
     yield agents
@@ -527,7 +534,7 @@ def test_kv_reads_are_not_served_unless_asked(tmp_path: Path) -> None:
         agent.close()
 
 
-@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+@pytest.mark.parametrize("transport", ["tcp", "gloo", "tls"])
 def test_an_idle_source_connection_is_closed_and_the_next_move_connects_again(
     tmp_path: Path, transport: str
 ) -> None:
@@ -553,4 +560,46 @@ def test_an_idle_source_connection_is_closed_and_the_next_move_connects_again(
         assert isinstance(staged, kv.BlockBytes) and isinstance(source, kv.BlockBytes)
         assert staged.data == source.data
     finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("stranger", ["plain", "no certificate", "another CA"])
+def test_a_stranger_gets_nothing_from_a_tls_data_port(tmp_path: Path, stranger: str) -> None:
+    """With the fleet's TLS, a source that holds no certificate of the fleet's CA is dropped at
+    the handshake: its chunk is staged nowhere, and the agent's own moves still go through."""
+    pair = Pair(tmp_path, "tls")
+    path = pair.addresses["td"].removeprefix("ipc://")
+    header = kv.StageHeader(migration_id="m", first_block=0, num_blocks=1, bytes_per_block=LAYERS * WIDTH * 2)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(10)
+    try:
+        conn.connect(path)
+        if stranger != "plain":
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            if stranger == "another CA":
+                other = tls.write(tmp_path / "other")
+                context.load_cert_chain(tmp_path / "other" / tls.CERT_FILE, tmp_path / "other" / tls.KEY_FILE)
+                assert other.ca != tls.FleetTls.load(tmp_path / "tls").ca
+            conn = context.wrap_socket(conn, server_hostname=tls.FLEET_NAME)
+        # TLS 1.3 finishes the client's side of the handshake before the server checks the
+        # client's certificate: the refusal shows on the first read, as the connection's end
+        # (or its reset, or the server's alert).
+        with contextlib.suppress(OSError):
+            write_message(conn, header)
+            conn.sendall(bytes(LAYERS * WIDTH * 2))
+        try:
+            answer = conn.recv(1)
+        except OSError:
+            answer = b""
+        assert answer == b""
+        status = pair.call("target", kv.AgentStatus())
+        assert isinstance(status, kv.Status) and status.staging_areas == {} and status.staged_bytes == 0
+        # The fleet's own source still gets its blocks over.
+        _run(pair.source, "r", [9, 3], tokens=2 * BLOCK)
+        sent = pair.call("source", kv.SendBlocks("r", "m2", pair.addresses["td"], 0))
+        assert isinstance(sent, kv.SentBlocks) and sent.blocks == 2, sent
+    finally:
+        conn.close()
         pair.close()

@@ -11,6 +11,7 @@ garbage-collects owned objects unless a test does it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import threading
@@ -29,6 +30,7 @@ from shoal_operator.reconcile import Reconciler
 from shoal_operator.scale import DELETION_COST_ANNOTATION, EngineLoad, Leaving
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
 
+from shoal_protos.tls import FleetTls
 from tests.integration.support import until
 from tests.unit.ssa import ApplyingEmulator
 
@@ -129,6 +131,7 @@ EXPECTED_CHILDREN = {
     "Deployment/smol-router", "Service/smol-router", "PodDisruptionBudget/smol-router",
     "Deployment/smol-tokenizer", "Service/smol-tokenizer", "NetworkPolicy/smol-tokenizer",
     "Secret/smol-redis-auth", "StatefulSet/smol-redis", "Service/smol-redis", "NetworkPolicy/smol-redis",
+    "Secret/smol-fleet-tls",
 }  # fmt: skip
 
 
@@ -169,12 +172,15 @@ async def test_a_reconcile_that_changes_nothing_writes_nothing(
     api.objects[CLUSTERS, NS, NAME] = _cluster()
     await reconciler.reconcile(NS, NAME)
     password = _children(api)["Secret/smol-redis-auth"]["data"]["password"]
+    fleet_tls = _children(api)["Secret/smol-fleet-tls"]["data"]
     before = len(_requests(api))
     outcome = await reconciler.reconcile(NS, NAME)
     assert outcome.writes == 0
     assert _writes(api, before) == []
-    # The managed Redis's generated password stays what it was (the pods read it at start).
+    # The managed Redis's generated password and the fleet's TLS files stay what they were (the
+    # pods read them at start).
     assert _children(api)["Secret/smol-redis-auth"]["data"]["password"] == password
+    assert _children(api)["Secret/smol-fleet-tls"]["data"] == fleet_tls
 
 
 async def test_replica_change_patches_only_the_engine_deployment(
@@ -295,6 +301,8 @@ class DrainCall(NamedTuple):
     deletion_costs: dict[str, str]
     status: str
     reason: str
+    tls_ca: bytes | None = None
+    """The CA of the fleet TLS files the drainer was given (read from the cluster's Secret)."""
 
 
 class RecordingDrainer:
@@ -305,7 +313,9 @@ class RecordingDrainer:
         self.api = api
         self.calls: list[DrainCall] = []
 
-    async def drain(self, cluster: Cluster, engines: list[Leaving]) -> list[Drained]:
+    async def drain(
+        self, cluster: Cluster, engines: list[Leaving], tls: FleetTls | None = None
+    ) -> list[Drained]:
         spec = self.api.objects[ENGINES, NS, "smol-engine"]["spec"]
         draining = next(
             c for c in self.api.objects[CLUSTERS, NS, NAME]["status"]["conditions"] if c["type"] == "Draining"
@@ -316,7 +326,10 @@ class RecordingDrainer:
             if resource.plural == "pods"
             and DELETION_COST_ANNOTATION in pod["metadata"].get("annotations", {})
         }
-        self.calls.append(DrainCall(engines, spec["replicas"], costs, draining["status"], draining["reason"]))
+        ca = tls.ca if tls is not None else None
+        self.calls.append(
+            DrainCall(engines, spec["replicas"], costs, draining["status"], draining["reason"], ca)
+        )
         return [Drained(engine.pod, migrated=2) for engine in engines]
 
 
@@ -386,8 +399,10 @@ async def test_scale_down_marks_and_drains_the_least_loaded_engines_before_the_d
         # the cluster saying Draining=True.
         leaving = [Leaving("smol-engine-d", "10.1.0.4:5800"), Leaving("smol-engine-b", "10.1.0.2:5800")]
         lowest = str(-(2**31))
+        # With the fleet's TLS files from the Secret the operator made: the engines ask for them.
+        ca = base64.b64decode(_children(api)["Secret/smol-fleet-tls"]["data"]["ca.crt"])
         assert drainer.calls == [
-            DrainCall(leaving, 4, {"smol-engine-d": lowest, "smol-engine-b": lowest}, "True", "ScaleDown")
+            DrainCall(leaving, 4, {"smol-engine-d": lowest, "smol-engine-b": lowest}, "True", "ScaleDown", ca)
         ]
         assert [d.pod for d in outcome.drained] == ["smol-engine-d", "smol-engine-b"]
         assert _children(api)["Deployment/smol-engine"]["spec"]["replicas"] == 2

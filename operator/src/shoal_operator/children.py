@@ -161,6 +161,9 @@ _TMP_VOLUME = {"name": "tmp", "emptyDir": {}}
 GENERATED_KEYS_ANNOTATION = "shoal.dev/generated-keys"
 """On a Secret the operator renders without data: the keys it fills with random tokens when it
 creates the Secret (and never writes again, so the values stay what the pods read)."""
+GENERATED_TLS_ANNOTATION = "shoal.dev/generated-tls"
+"""On a Secret the operator renders without data: filled with a new fleet CA and certificate
+(``shoal_protos.tls.generate``) when it creates the Secret, and never written again."""
 REDIS_AUTH_KEY = "password"
 
 
@@ -178,6 +181,39 @@ def redis_auth_secret(cluster: Cluster) -> Manifest:
     meta = _meta(cluster, redis_auth_secret_name(cluster), "redis")
     meta["annotations"] = {GENERATED_KEYS_ANNOTATION: REDIS_AUTH_KEY}
     return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque"}
+
+
+FLEET_TLS_DIR = f"{KEYS_DIR}/fleet-tls"
+
+
+def fleet_tls_secret_name(cluster: Cluster) -> str | None:
+    """The Secret of the fleet's TLS files, or None when the fleet's links are plain."""
+    spec = cluster.spec.fleet_tls
+    if not spec.enabled:
+        return None
+    return spec.secret_name or f"{cluster.name}-fleet-tls"
+
+
+def fleet_tls_secret(cluster: Cluster) -> Manifest:
+    """The fleet's TLS files, made by the operator when it creates the Secret."""
+    name = fleet_tls_secret_name(cluster)
+    assert name is not None
+    meta = _meta(cluster, name, "engine")
+    meta["annotations"] = {GENERATED_TLS_ANNOTATION: "true"}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque"}
+
+
+def _fleet_tls_args(
+    cluster: Cluster, mounts: list[dict[str, Any]], volumes: list[dict[str, Any]]
+) -> list[str]:
+    """Mount the fleet's TLS Secret; returns the flag naming the folder ([] when plain)."""
+    name = fleet_tls_secret_name(cluster)
+    if name is None:
+        return []
+    mounts.append({"name": "fleet-tls", "mountPath": FLEET_TLS_DIR, "readOnly": True})
+    items = [{"key": key, "path": key} for key in ("ca.crt", "tls.crt", "tls.key")]
+    volumes.append({"name": "fleet-tls", "secret": {"secretName": name, "items": items}})
+    return ["--fleet-tls-dir", FLEET_TLS_DIR]
 
 
 def _redis_env(cluster: Cluster) -> list[dict[str, Any]]:
@@ -399,6 +435,7 @@ def engine_deployment(cluster: Cluster) -> Manifest:
     if spec.zmq_curve_secret is not None:
         curve_secret = spec.zmq_curve_secret
         args += _secret_file("--zmq-curve-key-file", curve_secret.name, curve_secret.key, mounts, volumes)
+    args += _fleet_tls_args(cluster, mounts, volumes)
     env = _POD_ENV + _redis_env(cluster) + model_env
     if engine.gpus == 0:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(engine.kv_cache_gib)})
@@ -492,6 +529,8 @@ def router_deployment(cluster: Cluster) -> Manifest:
     ):
         if secret is not None:
             args += _secret_file(flag, secret.name, secret.key, mounts, volumes)
+    if router.balance:  # the balancer calls engines' EngineControl
+        args += _fleet_tls_args(cluster, mounts, volumes)
     container = {
         "name": "router",
         "image": router.image,
@@ -604,21 +643,20 @@ def ingress(cluster: Cluster) -> Manifest:
     }
 
 
+REDIS_START = f"""umask 077
+printf 'requirepass "%s"\\n' "$(printf '%s' "$REDIS_PASSWORD" | sed 's/[\\\\"]/\\\\&/g')" > /data/auth.conf
+exec redis-server /data/auth.conf --save '' --appendonly no --port {REDIS_PORT}
+"""
+"""The managed Redis's start: its password goes into a config file only its user reads (in the
+pod's own volume), never on redis-server's command line, which every process on the node can
+read. Fleet state is soft (records expire with heartbeats): no persistence to wait on."""
+
+
 def redis_statefulset(cluster: Cluster) -> Manifest:
     container = {
         "name": "redis",
         "image": cluster.spec.redis.image,
-        # Fleet state is soft (records expire with heartbeats): no persistence to wait on.
-        "args": [
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--port",
-            str(REDIS_PORT),
-            "--requirepass",
-            "$(REDIS_PASSWORD)",
-        ],
+        "command": ["sh", "-c", REDIS_START],
         # redis-cli (the readiness probe) reads its password from REDISCLI_AUTH.
         "env": [_redis_password_env(cluster), _redis_password_env(cluster, "REDISCLI_AUTH")],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT}],
@@ -739,6 +777,8 @@ def render(cluster: Cluster, service_monitors: bool = False) -> list[Manifest]:
     ]
     if spec.router.ingress.enabled:
         children.append(ingress(cluster))
+    if spec.fleet_tls.enabled and spec.fleet_tls.secret_name is None:
+        children.append(fleet_tls_secret(cluster))
     if spec.redis.mode == "managed":
         children += [
             redis_auth_secret(cluster),

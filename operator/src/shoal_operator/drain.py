@@ -27,6 +27,7 @@ from shoal_operator.children import Cluster
 from shoal_operator.scale import Leaving
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
+from shoal_protos.tls import FleetTls, aio_channel
 
 logger = logging.getLogger(__name__)
 REJOIN_AFTER_S = 300.0
@@ -44,7 +45,9 @@ class Drained:
 
 
 class Drainer(Protocol):
-    async def drain(self, cluster: Cluster, engines: list[Leaving]) -> list[Drained]: ...
+    async def drain(
+        self, cluster: Cluster, engines: list[Leaving], tls: FleetTls | None = None
+    ) -> list[Drained]: ...
 
 
 class GrpcDrainer:
@@ -53,17 +56,21 @@ class GrpcDrainer:
     def __init__(self, rejoin_after_s: float = REJOIN_AFTER_S) -> None:
         self._rejoin_after_s = rejoin_after_s
 
-    async def drain(self, cluster: Cluster, engines: list[Leaving]) -> list[Drained]:
+    async def drain(
+        self, cluster: Cluster, engines: list[Leaving], tls: FleetTls | None = None
+    ) -> list[Drained]:
+        """``tls``: the fleet's TLS files (its Secret), which the engines ask of callers."""
         deadline_s = float(cluster.spec.drain.deadline_seconds)
-        return list(await asyncio.gather(*(self._drain_one(engine, deadline_s) for engine in engines)))
+        drains = (self._drain_one(engine, deadline_s, tls) for engine in engines)
+        return list(await asyncio.gather(*drains))
 
-    async def _drain_one(self, engine: Leaving, deadline_s: float) -> Drained:
+    async def _drain_one(self, engine: Leaving, deadline_s: float, tls: FleetTls | None) -> Drained:
         if not engine.address:
             return Drained(engine.pod)  # no address yet: the pod never started an engine
         request = pb.DrainRequest(
             deadline_s=deadline_s, leave_rotation=True, rejoin_after_s=self._rejoin_after_s
         )
-        async with grpc.aio.insecure_channel(engine.address) as channel:
+        async with aio_channel(engine.address, tls) as channel:
             try:
                 result = await pb_grpc.EngineControlStub(channel).Drain(request, timeout=deadline_s + 15)
             except grpc.aio.AioRpcError as exc:

@@ -35,9 +35,18 @@ from redis.exceptions import RedisError
 
 from shoal_operator import scale
 from shoal_operator import status as cluster_status
-from shoal_operator.children import GENERATED_KEYS_ANNOTATION, Cluster, engine_selector, render, selector
+from shoal_operator.children import (
+    GENERATED_KEYS_ANNOTATION,
+    GENERATED_TLS_ANNOTATION,
+    Cluster,
+    engine_selector,
+    fleet_tls_secret_name,
+    render,
+    selector,
+)
 from shoal_operator.drain import Drained, Drainer
 from shoal_operator.spec import GROUP, KIND, VERSION, InferenceClusterSpec
+from shoal_protos import tls
 
 Manifest = dict[str, Any]
 logger = logging.getLogger(__name__)
@@ -155,10 +164,17 @@ def drifted(desired: Any, live: Any, quantities: bool = False) -> bool:
 
 
 def _with_generated_keys(manifest: Manifest) -> Manifest:
-    """A Secret to create, with a random token for each key its annotation names (only ever at
-    creation: the rendered Secret carries no data, so later reconciles leave the values alone)."""
-    keys = (manifest["metadata"].get("annotations") or {}).get(GENERATED_KEYS_ANNOTATION)
-    if manifest["kind"] != "Secret" or not keys:
+    """A Secret to create, with a random token for each key its annotation names, or a new fleet
+    CA and certificate (only ever at creation: the rendered Secret carries no data, so later
+    reconciles leave the values alone)."""
+    annotations = manifest["metadata"].get("annotations") or {}
+    if manifest["kind"] != "Secret":
+        return manifest
+    if annotations.get(GENERATED_TLS_ANNOTATION):
+        files = tls.generate()
+        return {**manifest, "data": {name: base64.b64encode(data).decode() for name, data in files.items()}}
+    keys = annotations.get(GENERATED_KEYS_ANNOTATION)
+    if not keys:
         return manifest
     data = {key: base64.b64encode(secrets.token_hex(32).encode()).decode() for key in keys.split(",")}
     return {**manifest, "data": data}
@@ -359,8 +375,29 @@ class Reconciler:
         draining = cluster_status.draining(previous, pods)
         if await self._write_status(cluster.namespace, cluster.name, previous, draining):
             outcome.status_written = True
-        outcome.drained = await self._drainer.drain(cluster, engine_plan.drain)
+        fleet_tls = await self._fleet_tls(cluster)
+        outcome.drained = await self._drainer.drain(cluster, engine_plan.drain, fleet_tls)
         return draining
+
+    async def _fleet_tls(self, cluster: Cluster) -> tls.FleetTls | None:
+        """The fleet's TLS files, which its engines ask of EngineControl's callers; None when the
+        links are plain, or the Secret cannot be read yet (the drain then fails, and the pods'
+        preStop hooks drain the engines)."""
+        name = fleet_tls_secret_name(cluster)
+        if name is None:
+            return None
+        try:
+            secret = await self._api.get("v1", "Secret", cluster.namespace, name)
+        except ApiError as exc:
+            logger.warning("cannot read the fleet TLS Secret %s/%s: %s", cluster.namespace, name, exc)
+            return None
+        data = (secret or {}).get("data") or {}
+        try:
+            ca, cert, key = (base64.b64decode(data[k]) for k in (tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE))
+        except (KeyError, ValueError):
+            logger.warning("the fleet TLS Secret %s/%s lacks a file", cluster.namespace, name)
+            return None
+        return tls.FleetTls(ca, cert, key)
 
     async def _get(self, manifest: Manifest) -> Manifest | None:
         meta = manifest["metadata"]

@@ -552,6 +552,28 @@ class CurveKeySecret(_Spec):
     key: str = Field(default="fleet.key", min_length=1, max_length=253, description="Key holding the file.")
 
 
+class FleetTlsSpec(_Spec):
+    """Mutual TLS between the fleet's parts: EngineControl (drains and moves) and the KV data
+    links between engines."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Engines take EngineControl calls and KV data only over mutual TLS, from "
+        "holders of a certificate of the fleet's CA; false: both plain, open to any pod that "
+        "reaches the engines' ports.",
+    )
+    secret_name: str | None = Field(
+        default=None,
+        alias="secretName",
+        min_length=1,
+        max_length=253,
+        pattern=DNS_LABEL_PATTERN,
+        description="A Secret with ca.crt, tls.crt and tls.key (cert-manager's layout), the "
+        "certificate for the name shoal-fleet and for client and server use; unset: the "
+        "operator makes one, <cluster>-fleet-tls, with a CA of its own.",
+    )
+
+
 class RedisSpec(_Spec):
     """Where fleet state lives: a Redis the operator runs, or one you already have."""
 
@@ -661,6 +683,11 @@ class InferenceClusterSpec(_Spec):
     drain: DrainSpec = Field(default_factory=DrainSpec, description="Engine drain by migration.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Engine autoscaling.")
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Prometheus scraping.")
+    fleet_tls: FleetTlsSpec = Field(
+        default_factory=FleetTlsSpec,
+        alias="fleetTLS",
+        description="Mutual TLS for EngineControl and the KV data links.",
+    )
     zmq_curve_secret: CurveKeySecret | None = Field(
         default=None,
         alias="zmqCurveSecret",

@@ -128,6 +128,11 @@ class EngineConfig(BaseModel):
     """The fleet's CURVE key file (``shoal_protos.curve``): router-engine frames are encrypted
     and only fleet members connect. None: plain ZeroMQ."""
 
+    fleet_tls_dir: str | None = None
+    """The fleet's TLS folder (``shoal_protos.tls``: ``ca.crt``, ``tls.crt``, ``tls.key``):
+    EngineControl and the KV data links between agents are mutual TLS, and take only peers
+    holding a certificate of the fleet's CA. None: both plain, open to whoever reaches them."""
+
     backend: Literal["vllm", "sim"] = "vllm"
     """vLLM, or ``sim``: a step-time model in its place (``sim_backend.py``), where ``model``
     names the step model."""

@@ -55,6 +55,7 @@ from shoal_protos.records import (
     state_client,
 )
 from shoal_protos.tasks import Supervisor
+from shoal_protos.tls import FleetTls, load_optional
 
 logger = logging.getLogger("shoal.engine")
 
@@ -171,6 +172,10 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         "--zmq-curve-key-file",
         help="the fleet's CURVE key file (encrypted frames, members only)",
     )
+    parser.add_argument(
+        "--fleet-tls-dir",
+        help="the fleet's TLS folder (ca.crt, tls.crt, tls.key): EngineControl and KV data over mutual TLS",
+    )
     args = parser.parse_args(argv)
     try:
         vllm_args = split_vllm_args(args.vllm_args)
@@ -218,6 +223,7 @@ def parse_args(argv: list[str] | None = None) -> EngineConfig:
         migration_warm=args.migration_warm,
         migration_step_timeout_s=args.migration_step_timeout,
         zmq_curve_key_file=args.zmq_curve_key_file,
+        fleet_tls_dir=args.fleet_tls_dir,
         backend=args.backend,
         sim_kv_blocks=args.sim_kv_blocks,
         sim_speed=args.sim_speed,
@@ -339,11 +345,17 @@ def http_socket(config: EngineConfig) -> socket.socket:
     return listen_tcp(config.listen_host, config.http_port, backlog=2048)
 
 
-def control_server(config: EngineConfig, migrations: MigrationManager) -> grpc.aio.Server:
-    """The EngineControl gRPC server, bound (``[::]:port`` is dual stack in gRPC) but not started."""
+def control_server(
+    config: EngineConfig, migrations: MigrationManager, tls: FleetTls | None = None
+) -> grpc.aio.Server:
+    """The EngineControl gRPC server, bound (``[::]:port`` is dual stack in gRPC) but not started:
+    mutual TLS with the fleet's certificates when it has them."""
     control = grpc.aio.server(interceptors=[RefuseUndecodable()])
     pb_grpc.add_EngineControlServicer_to_server(EngineControlServicer(migrations), control)
-    control.add_insecure_port(config.control_bind)
+    if tls is None:
+        control.add_insecure_port(config.control_bind)
+    else:
+        control.add_secure_port(config.control_bind, tls.server_credentials())
     return control
 
 
@@ -358,6 +370,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
 
     # A bad key file fails here, before minutes of model loading.
     curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
+    tls = load_optional(config.fleet_tls_dir)
     logger.info("loading %s (%s backend)", config.model, config.backend)
     started = time.monotonic()
     info = await backend.start()
@@ -447,7 +460,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
             keys,
             metrics,
         )
-        control = control_server(config, migrations)
+        control = control_server(config, migrations, tls)
         await control.start()
     http = _HttpServer(
         uvicorn.Config(

@@ -73,6 +73,7 @@ from shoal_protos.records import (
     migration_record_decoder,
 )
 from shoal_protos.tasks import background
+from shoal_protos.tls import aio_channel, load_optional
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class MigrationManager:
         self._agent = AgentClient(self._ctx, config.kv_agent_address, config.migration_step_timeout_s)
         # Channels to other engines' control APIs, the most recently used last.
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
+        self._tls = load_optional(config.fleet_tls_dir)
         self._peer_push: dict[str, zmq.Socket[bytes]] = {}
         self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         self._encoder = RouterRequestEncoder()
@@ -617,7 +619,7 @@ class MigrationManager:
     def _stub(self, address: str) -> pb_grpc.EngineControlStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = aio_channel(address, self._tls)
             # Engines come and go: the channels of those not met for longest are closed.
             while len(self._channels) > MAX_CHANNELS:
                 _, oldest = self._channels.popitem(last=False)

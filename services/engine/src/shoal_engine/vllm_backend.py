@@ -233,6 +233,7 @@ def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
             "staging_bytes": config.kv_staging_mib << 20,
             "max_pairs": config.kv_max_pairs,
             "debug_reads": config.kv_debug_reads,
+            "tls_dir": config.fleet_tls_dir or "",
             # A transfer never outlasts the migration step it serves.
             "timeout_s": config.migration_step_timeout_s,
         },

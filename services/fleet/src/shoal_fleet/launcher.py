@@ -38,7 +38,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from supervisor.xmlrpc import SupervisorTransport
 
 from shoal_fleet.cpu import cpu_flags, native_dtype
-from shoal_protos import curve
+from shoal_protos import curve, tls
 from shoal_protos.addresses import host_port, http_url
 from shoal_protos.records import EngineState, Keys, engine_record_decoder
 
@@ -73,6 +73,9 @@ class FleetConfig:
     zmq_curve_key_file: Path | None = None
     """The fleet's CURVE key file (``shoal_protos.curve``): router-engine frames are encrypted and
     only fleet members connect. None: plain ZeroMQ."""
+    fleet_tls_dir: Path | None = None
+    """The fleet's TLS folder (``shoal_protos.tls``, ``write_fleet_tls``): EngineControl and the
+    KV data links are mutual TLS. None: plain."""
     migration: bool = True
     """Engines load the KV connector and can move running requests to each other."""
     migration_step_timeout_s: float = 10.0
@@ -160,6 +163,18 @@ def _program(
 
 def _curve_args(cfg: FleetConfig) -> list[str]:
     return ["--zmq-curve-key-file", str(cfg.zmq_curve_key_file)] if cfg.zmq_curve_key_file else []
+
+
+def _tls_args(cfg: FleetConfig) -> list[str]:
+    return ["--fleet-tls-dir", str(cfg.fleet_tls_dir)] if cfg.fleet_tls_dir else []
+
+
+def write_fleet_tls(folder: Path) -> Path:
+    """New fleet TLS files in ``folder`` (the key readable by its owner only), unless they are
+    there already."""
+    if not (folder / tls.KEY_FILE).exists():
+        tls.write(folder)
+    return folder
 
 
 def write_curve_key(path: Path) -> Path:
@@ -289,7 +304,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 command.append("--kv-debug-reads")
         if cfg.max_model_len:
             command += ["--max-model-len", str(cfg.max_model_len)]
-        command += _curve_args(cfg)
+        command += _curve_args(cfg) + _tls_args(cfg)
         env = {
             **common_env,
             "VLLM_TARGET_DEVICE": "cpu",
@@ -332,6 +347,7 @@ def supervisord_config(cfg: FleetConfig) -> str:
                 "--engine-silence-grace",
                 str(cfg.engine_silence_grace_s),
                 *_curve_args(cfg),
+                *_tls_args(cfg),
             ],
             logs / "router.log",
             common_env,

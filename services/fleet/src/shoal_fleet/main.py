@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from shoal_fleet.cpu import cpu_flags, native_dtype
-from shoal_fleet.launcher import Fleet, FleetConfig, FleetError, write_curve_key
+from shoal_fleet.launcher import Fleet, FleetConfig, FleetError, write_curve_key, write_fleet_tls
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         action="store_true",
         help="encrypt router-engine ZeroMQ with CURVE (a fleet key is made in the run dir)",
     )
+    parser.add_argument(
+        "--no-fleet-tls",
+        dest="fleet_tls",
+        action="store_false",
+        help="plain EngineControl and KV data links (by default mutual TLS, with files made in the run dir)",
+    )
     args = parser.parse_args(argv)
     if args.model in MODELS:
         folder, name = MODELS[args.model]
@@ -96,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> FleetConfig:
         dtype=dtype,
         restart=not args.no_restart,
         zmq_curve_key_file=write_curve_key(args.run_dir.resolve() / "fleet.key") if args.zmq_curve else None,
+        fleet_tls_dir=write_fleet_tls(args.run_dir.resolve() / "fleet-tls") if args.fleet_tls else None,
         enforce_eager=not args.compile,
     )
 

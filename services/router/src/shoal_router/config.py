@@ -71,6 +71,10 @@ class RouterConfig(BaseModel):
     """The fleet's CURVE key file (``shoal_protos.curve``): frames to and from engines are
     encrypted and only fleet members connect. None: plain ZeroMQ."""
 
+    fleet_tls_dir: str | None = None
+    """The fleet's TLS folder (``shoal_protos.tls``), for the balancer's calls to engines'
+    EngineControl where the engines ask for mutual TLS. None: plain calls."""
+
     engine_send_hwm: int = Field(default=10_000, ge=1)
     """Frames queued per engine socket before the engine counts as overloaded (503)."""
 

@@ -27,6 +27,7 @@ from shoal_protos import curve
 from shoal_protos.addresses import bare_host, stream_socket
 from shoal_protos.records import Keys, add_redis_url_option, state_client
 from shoal_protos.tasks import Supervisor
+from shoal_protos.tls import load_optional
 from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
@@ -90,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     )
     parser.add_argument(
         "--zmq-curve-key-file", help="the fleet's CURVE key file (encrypted frames, members only)"
+    )
+    parser.add_argument(
+        "--fleet-tls-dir",
+        help="the fleet's TLS folder (ca.crt, tls.crt, tls.key), to call engines' EngineControl",
     )
     parser.add_argument(
         "--scheduler",
@@ -161,6 +166,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         redis_restart_grace_s=args.redis_restart_grace,
         engine_silence_grace_s=args.engine_silence_grace,
         zmq_curve_key_file=args.zmq_curve_key_file,
+        fleet_tls_dir=args.fleet_tls_dir,
         key_requests_per_minute=args.key_rpm,
         key_tokens_per_minute=args.key_tpm,
         scheduler=args.scheduler,
@@ -184,6 +190,7 @@ def build_app(config: RouterConfig) -> FastAPI:
     metrics = RouterMetrics()
     ctx = zmq.asyncio.Context()
     curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
+    fleet_tls = load_optional(config.fleet_tls_dir)
     # The ZAP handler runs on a thread: it gets a plain context sharing this one's libzmq context.
     authenticator = (
         curve.start_authenticator(zmq.Context.shadow(ctx.underlying), curve_keys) if curve_keys else None
@@ -264,6 +271,7 @@ def build_app(config: RouterConfig) -> FastAPI:
                 config.balance_interval_s,
                 client=redis_client,
                 keys=Keys(config.cluster),
+                tls=fleet_tls,
             )
             tasks.append(supervisor.start(rebalancer.run_forever(), "rebalance"))
         logger.info(

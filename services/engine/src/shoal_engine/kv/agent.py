@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from shoal_engine.kv.transport import (
 )
 from shoal_protos import kv
 from shoal_protos.addresses import zmq_bind
+from shoal_protos.tls import FleetTls
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +141,17 @@ class KvAgent:
         max_pairs: int = 4,
         debug_reads: bool = False,
         idle_timeout_s: float = DATA_IDLE_S,
+        tls: FleetTls | None = None,
     ) -> None:
         """``host``: where other engines reach this agent, for the rendezvous of ``gloo`` and
         ``nccl`` pairs; None: the data address's host (which a bind to ``::`` does not name).
         ``debug_reads``: serve ``ReadBlocks`` and ``ReadStaged``, which hand out KV bytes for
-        tests to compare (an engine serves them only when told, ``--kv-debug-reads``)."""
+        tests to compare (an engine serves them only when told, ``--kv-debug-reads``).
+        ``tls``: the fleet's TLS, for the data connections both ways; None: plain."""
         self.block_size = block_size
+        self._tls = tls.server_context() if tls is not None else None
+        if self._tls is not None:
+            self._tls.num_tickets = 0  # connections live long and are never resumed
         self._debug_reads = debug_reads
         self._idle_timeout_s = idle_timeout_s
         self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
@@ -178,6 +185,7 @@ class KvAgent:
             self._chunk_blocks * self.bytes_per_block,
             timeout_s,
             max_pairs,
+            tls.client_context() if tls is not None else None,
         )
         self._max_pairs = max_pairs
         self._joined = 0  # pair groups sources hold with this agent
@@ -518,6 +526,22 @@ class KvAgent:
         self._server.close()
 
     def _serve_peer(self, conn: socket.socket) -> None:
+        if self._tls is not None:
+            # The handshake runs here, on the connection's own thread: a source that stalls in
+            # it holds only its own slot.
+            raw = conn
+            raw.settimeout(self._timeout_s)
+            try:
+                conn = self._tls.wrap_socket(raw, server_side=True)
+            except (OSError, ssl.SSLError) as exc:
+                logger.warning("KV agent: refused a source connection: %s", exc)
+                with self._lock:
+                    self._peers.discard(raw)
+                raw.close()
+                return
+            with self._lock:  # the wrapped socket is the one to close on the way out
+                self._peers.discard(raw)
+                self._peers.add(conn)
         receiver = Receiver(conn, self._host, self._layers[0].device, self._timeout_s)
         # Chunks arriving over a process group, oldest first: while the newest says another
         # follows (``more``), its header is read and its receives posted before the oldest is

@@ -47,6 +47,7 @@ from vllm.v1.request import RequestStatus
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
 from shoal_protos.addresses import split_host_port, tcp_url
+from shoal_protos.tls import load_optional
 
 
 def worker_addresses(control: str, data: str, rank: int) -> tuple[str, str]:
@@ -252,6 +253,7 @@ class ShoalConnector(KVConnectorBase_V1):
             max_pairs=int(self._extra.get("max_pairs", 4)),
             host=str(self._extra["host"]) if self._extra.get("host") else None,
             debug_reads=bool(self._extra.get("debug_reads", False)),
+            tls=load_optional(str(self._extra.get("tls_dir") or "")),
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -24,6 +24,11 @@ All chunks of a call are written before the acks are read, so the pipe never dra
 chunks; over a process group the sender does not wait for a chunk's sends before the next
 header, and the receiver posts a chunk's receives before the chunks ahead of it are in.
 ``Receiver`` is the receiving half, on one thread per connected peer of the target agent.
+
+With the fleet's TLS (``shoal_protos.tls``) every connection is mutual TLS: a source without a
+certificate of the fleet's CA gets no further than the handshake, and ``tcp``'s layers travel
+encrypted. A ``gloo`` or ``nccl`` pair's own traffic (its rendezvous store and the collectives)
+is torch.distributed's, which has no TLS: only the connection that sets it up is protected.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import logging
 import os
 import select
 import socket
+import ssl
 import struct
 import uuid
 from collections.abc import Callable
@@ -47,6 +53,7 @@ import torch.distributed as dist
 
 from shoal_protos import kv
 from shoal_protos.addresses import listen_tcp
+from shoal_protos.tls import FLEET_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +124,22 @@ def listen(address: str) -> socket.socket:
     return listen_tcp(parts.hostname or "0.0.0.0", parts.port or 0, backlog=64)
 
 
-def _dial(address: str, timeout_s: float) -> socket.socket:
+def _dial(address: str, timeout_s: float, tls: ssl.SSLContext | None = None) -> socket.socket:
     if address.startswith("ipc://"):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         sock.connect(address.removeprefix("ipc://"))
+    else:
+        parts = urlsplit(address)
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if tls is None:
         return sock
-    parts = urlsplit(address)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    try:
+        return tls.wrap_socket(sock, server_hostname=FLEET_NAME)
+    except (OSError, ssl.SSLError):
+        sock.close()
+        raise
 
 
 def write_message(sock: socket.socket, message: kv.StageHeader | kv.PairJoin | kv.StageAck) -> None:
@@ -145,17 +158,24 @@ def _advance(views: list[memoryview], done: int) -> None:
 
 
 def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Write every buffer, in order, with as few system calls as the kernel allows (gathered)."""
+    """Write every buffer, in order, with as few system calls as the kernel allows (gathered;
+    over TLS, which encrypts record by record, one buffer after another)."""
     views = [view for view in buffers if len(view)]
+    if isinstance(sock, ssl.SSLSocket):
+        for view in views:
+            sock.sendall(view)
+        return
     while views:
         _advance(views, sock.sendmsg(views[:_IOV_MAX]))
 
 
 def read_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Fill every buffer, in order, scattering each read across them."""
+    """Fill every buffer, in order, scattering each read across them (over TLS, one after
+    another)."""
     views = [view for view in buffers if len(view)]
+    tls = isinstance(sock, ssl.SSLSocket)
     while views:
-        got = sock.recvmsg_into(views[:_IOV_MAX])[0]
+        got = sock.recv_into(views[0]) if tls else sock.recvmsg_into(views[:_IOV_MAX])[0]
         if not got:
             raise ConnectionError("the peer closed the connection")
         _advance(views, got)
@@ -242,7 +262,23 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     anything to read (the end of the stream, once it closed the connection) says so."""
     poller = select.poll()
     poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
+    if not poller.poll(0):
+        return False
+    if not isinstance(sock, ssl.SSLSocket):
+        return True
+    # Over TLS, readable can be a record that carries no data (a session ticket, say): only
+    # the end of the stream, or data nobody asked for, makes the connection unfit.
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        sock.recv(1)  # the end of the stream (b""), or a byte out of turn: unfit either way
+        return True
+    except ssl.SSLWantReadError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.settimeout(timeout)
 
 
 class Transport:
@@ -257,8 +293,11 @@ class Transport:
         chunk_bytes: int,
         timeout_s: float,
         max_pairs: int = 4,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """``tls``: the fleet's client context (``FleetTls.client_context``); None: plain."""
         check_backend(backend, device)
+        self._tls = tls
         self._max_pairs = max_pairs
         self._backend = backend
         self._device = device
@@ -275,7 +314,7 @@ class Transport:
             # The target closed it (idle too long, or it restarted): connect again.
             self._drop(target)
         try:
-            sock = _dial(target, self._timeout_s)
+            sock = _dial(target, self._timeout_s, self._tls)
         except OSError as exc:
             raise TransportError(f"cannot reach {target}: {exc}") from exc
         self._connections[target] = sock

@@ -45,6 +45,7 @@ from redis.exceptions import RedisError
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.records import Keys
+from shoal_protos.tls import FleetTls, aio_channel
 from shoal_router.core.dispatch import EngineView
 from shoal_router.metrics import RouterMetrics
 
@@ -267,7 +268,10 @@ class Rebalancer:
         timeout_s: float = 60.0,
         client: aioredis.Redis | None = None,
         keys: Keys | None = None,
+        tls: FleetTls | None = None,
     ) -> None:
+        """``tls``: the fleet's TLS, which engines' EngineControl asks of its callers."""
+        self._tls = tls
         self._lease = lease
         self._views = views
         self._metrics = metrics
@@ -333,7 +337,7 @@ class Rebalancer:
         address = source.record.control_address
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = aio_channel(address, self._tls)
         request = pb.MigrateRequest(target_engine_id=target.engine_id, reason=move.reason)
         outcome = "FAILED"
         try:
