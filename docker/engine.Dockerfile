@@ -13,7 +13,7 @@ COPY constraints.txt /tmp/shoal/constraints.txt
 COPY protos/python /tmp/shoal/protos/python
 COPY services/engine /tmp/shoal/services/engine
 RUN python3 -m pip install --no-cache-dir -c /tmp/shoal/constraints.txt \
-        msgspec pyzmq redis grpcio protobuf prometheus-client \
+        msgspec pyzmq redis grpcio protobuf prometheus-client cryptography \
     && python3 -m pip install --no-cache-dir --no-deps /tmp/shoal/protos/python /tmp/shoal/services/engine \
     && rm -rf /tmp/shoal \
     && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin shoal
