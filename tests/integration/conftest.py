@@ -8,11 +8,15 @@ Engines of both load Shoal's KV connector, so requests can move between them.
 
 Both fleets and the offline vLLM reference run start together at the beginning of the session,
 so their model loads overlap. Every wait has a deadline.
+
+* ``own_tiny_fleet``, ``own_smol_fleet``: the same, a module's own, for the tests that kill or
+  stop fleet processes (marked ``destructive``, and run last).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -110,44 +114,45 @@ def _config(
     )
 
 
-@pytest.fixture(scope="session")
-def _fleets(
-    tmp_path_factory: pytest.TempPathFactory, _reference_job: tuple[subprocess.Popen[bytes], Path]
-) -> Iterator[dict[str, RunningFleet]]:
-    # Depends on the reference job only so that it starts first and loads alongside the fleets.
-    run_dir = tmp_path_factory.mktemp("fleets")
-    configs = {
+def _fleet_config(kind: str, run_dir: Path, name: str, offset: int) -> FleetConfig:
+    """The configuration of a ``tiny`` or ``smol`` fleet called ``name``, on ports of its own
+    (``offset``)."""
+    if kind == "tiny":
         # The tiny model's whole context: its streams must outlast a client the machine leaves
         # unscheduled for a few seconds (the tiny model decodes 2,000 tokens in about as long).
         # float32: on CPUs with AMX, vLLM's CPU build dies with SIGILL on the tiny model's first
         # bf16 step (its small shapes take a kernel SmolLM2's do not).
         # 128-token blocks, the fleet's default: the router counts each engine's demand in them.
-        "tiny": _config(
-            "tiny",
+        return _config(
+            name,
             "tiny-llama",
             TINY,
             run_dir,
             engines=2,
-            offset=0,
+            offset=offset,
             max_model_len=8192,
             dtype="float32",
             kv_block_size=128,
-        ),
-        # float32: greedy decoding in bf16 is not batch-invariant (a near-tie flips with the
-        # shape of the batch, and many concurrent streams moving between engines change it);
-        # in float32 such ties are some ten thousand times rarer.
-        # The CPU build's smallest blocks (32 tokens): the tests' short streams then span several
-        # blocks, so their moves pre-copy full blocks before the stop.
-        "smol": _config("smol", "SmolLM2-135M-Instruct", SMOL, run_dir, engines=2, offset=1, dtype="float32"),
-    }
+        )
+    # float32: greedy decoding in bf16 is not batch-invariant (a near-tie flips with the shape of
+    # the batch, and many concurrent streams moving between engines change it); in float32 such
+    # ties are some ten thousand times rarer.
+    # The CPU build's smallest blocks (32 tokens): the tests' short streams then span several
+    # blocks, so their moves pre-copy full blocks before the stop.
     # The SmolLM2 fleet speaks CURVE between its router and engines, and mutual TLS on
     # EngineControl and the KV data links, as the operator's fleets do (every test on it runs
     # through the encrypted links); the tiny fleet stays plain for the hostile-frames test.
-    configs["smol"] = dataclasses.replace(
-        configs["smol"],
-        zmq_curve_key_file=write_curve_key(run_dir / "smol-fleet.key"),
-        fleet_tls_dir=write_fleet_tls(run_dir / "smol-tls"),
+    cfg = _config(name, "SmolLM2-135M-Instruct", SMOL, run_dir, engines=2, offset=offset, dtype="float32")
+    return dataclasses.replace(
+        cfg,
+        zmq_curve_key_file=write_curve_key(run_dir / f"{name}-fleet.key"),
+        fleet_tls_dir=write_fleet_tls(run_dir / f"{name}-tls"),
     )
+
+
+@contextlib.contextmanager
+def _running(configs: dict[str, FleetConfig]) -> Iterator[dict[str, RunningFleet]]:
+    """Start the fleets (together), wait until each serves and has run a step; stop them after."""
     fleets = {
         name: Fleet(cfg, say=lambda line: print(line, file=sys.stderr)) for name, cfg in configs.items()
     }
@@ -168,6 +173,21 @@ def _fleets(
             each.close()
         for fleet in fleets.values():
             fleet.stop()
+            if fleet.log_dir in _LOG_DIRS:
+                _LOG_DIRS.remove(fleet.log_dir)
+
+
+@pytest.fixture(scope="session")
+def _fleets(
+    tmp_path_factory: pytest.TempPathFactory, _reference_job: tuple[subprocess.Popen[bytes], Path]
+) -> Iterator[dict[str, RunningFleet]]:
+    # Depends on the reference job only so that it starts first and loads alongside the fleets.
+    run_dir = tmp_path_factory.mktemp("fleets")
+    configs = {
+        name: _fleet_config(name, run_dir, name, offset) for name, offset in [("tiny", 0), ("smol", 1)]
+    }
+    with _running(configs) as running:
+        yield running
 
 
 def _warm_up(name: str, fleet: RunningFleet) -> None:
@@ -193,6 +213,25 @@ def tiny_fleet(_fleets: dict[str, RunningFleet]) -> RunningFleet:
 @pytest.fixture(scope="session")
 def smol_fleet(_fleets: dict[str, RunningFleet]) -> RunningFleet:
     return _fleets["smol"]
+
+
+# Fleets of a module's own, for the tests that kill or stop fleet processes (``destructive``):
+# the shared fleets serve every other test whole, whatever order the tests run in. One at a time
+# (each goes with its module), on ports apart from the shared fleets'.
+
+
+@pytest.fixture(scope="module")
+def own_tiny_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+    run_dir = tmp_path_factory.mktemp("own-fleet")
+    with _running({"tiny-own": _fleet_config("tiny", run_dir, "tiny-own", 2)}) as running:
+        yield running["tiny-own"]
+
+
+@pytest.fixture(scope="module")
+def own_smol_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+    run_dir = tmp_path_factory.mktemp("own-fleet")
+    with _running({"smol-own": _fleet_config("smol", run_dir, "smol-own", 3)}) as running:
+        yield running["smol-own"]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Engines killed mid-request: their streams go on on another engine with every token exactly
 once, and the dead engines leave dispatch within their heartbeat TTL; with no engine left, a
-stream ends with an error event, never a hang. Runs last: it kills the shared tiny fleet's
-engines."""
+stream ends with an error event, never a hang. It kills engines: the module has a tiny fleet
+of its own."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ from tests.integration.support import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
+
+
+@pytest.fixture(scope="module")
+def tiny_fleet(own_tiny_fleet: RunningFleet) -> RunningFleet:
+    """This module's own tiny fleet, in place of the shared one."""
+    return own_tiny_fleet
+
 
 TRIES_S = 240.0
 """How long the killed-engine test goes on starting streams until a kill meets one running."""

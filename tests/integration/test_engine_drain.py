@@ -1,5 +1,5 @@
 """SIGTERM drains an engine: it takes no new work, moves what it runs to another engine, leaves
-Redis, exits. Runs last: it stops one of the shared SmolLM2 fleet's engines."""
+Redis, exits. It stops an engine: the module has a SmolLM2 fleet of its own."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ import pytest
 from tests.integration.support import STALL_S, RunningFleet, model_frozen, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.destructive]
+
+
+@pytest.fixture(scope="module")
+def smol_fleet(own_smol_fleet: RunningFleet) -> RunningFleet:
+    """This module's own SmolLM2 fleet, in place of the shared one."""
+    return own_smol_fleet
 
 
 def _exited(pid: int) -> bool:
