@@ -1083,9 +1083,9 @@ def paired_section(cfg: BenchConfig, paired: Paired | None) -> list[str]:
     errors = f" {len(paired.errors)} round(s) had an error and are left out." if paired.errors else ""
     return [
         f"**Side by side, at rest.** The scenarios above run the targets one after the other, and "
-        "this machine's speed drifts between them by more than the targets allow (the notes below "
-        "the section). Here vLLM's server and the fleet run at once, vLLM's engine on core "
-        f"{PAIRED_VLLM_CORE} and the fleet's on core 0, and get {paired.rounds} rounds of one "
+        "this machine's speed drifts between them by more than the targets allow (see the readings "
+        "in notes/benchmark-readings.md). Here vLLM's server and the fleet run at once, vLLM's "
+        f"engine on core {PAIRED_VLLM_CORE} and the fleet's on core 0, and get {paired.rounds} rounds of one "
         "request each (which goes first alternates), every request with a fresh prompt of "
         f"{cfg.prompt_len} tokens and {cfg.output_len} output tokens, after {cfg.warmup} warm-up "
         "requests each: the two requests of a round are a second or two apart, and their "
