@@ -79,7 +79,7 @@ class _State:
     loops: list[asyncio.Task[None]] = field(default_factory=list)
 
 
-def register(
+def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
     registry: kopf.OperatorRegistry,
     login: Callable[[], kopf.ConnectionInfo] | None = None,
     resync_s: float = 60.0,

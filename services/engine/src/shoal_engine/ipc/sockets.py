@@ -179,7 +179,7 @@ class OutputSender:
         self._queue.put(_STOP)
         self._thread.join(timeout=5)
 
-    def _run(self) -> None:
+    def _run(self) -> None:  # noqa: C901, PLR0912 (over the complexity budget: to be split)
         encoder = msgspec.msgpack.Encoder()
         links = self._links
         outputs_tag = FrameType.OUTPUTS.value

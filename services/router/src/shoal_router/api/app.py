@@ -511,7 +511,7 @@ class _EventStream(StreamingResponse):
             await self.stream_response(send)
 
 
-def create_app(
+def create_app(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
     generation: Generation,
     tokenizer: TokenizerClient,
     retry_after_s: int,
