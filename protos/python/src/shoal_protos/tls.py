@@ -60,7 +60,8 @@ class FleetTls:
         for name, data in zip((CA_FILE, CERT_FILE, KEY_FILE), parts, strict=True):
             if b"-----BEGIN " not in data:
                 raise TlsError(f"fleet TLS folder {folder}: {name} is not PEM")
-        return cls(*parts, folder=folder)
+        ca, cert, key = parts
+        return cls(ca, cert, key, folder=folder)
 
     # ---- gRPC ---------------------------------------------------------------------------------
 
