@@ -368,3 +368,34 @@ async def test_the_operator_beats_while_kopf_runs(api: LeaseAPI) -> None:
     after = len(beats)
     await asyncio.sleep(0.3)
     assert len(beats) == after  # the beating stops with the operator
+
+
+class _GatedClient:
+    """A Lease client at the operator's own seam: ``get`` answers (no Lease yet) once ``gate``
+    is set; ``create`` writes at once."""
+
+    namespace, name = NS, leader.LEASE_NAME
+
+    def __init__(self) -> None:
+        self.gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def get(self) -> dict[str, Any] | None:
+        await self.gate
+        return None
+
+    async def create(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"resourceVersion": "1"}, "spec": spec}
+
+
+async def test_a_round_cancelled_as_its_call_completes_stays_cancelled() -> None:
+    """The election stops when cancelled, even when the cancellation meets a round's answer in
+    the same turn of the loop (Python 3.11's ``wait_for`` returned the answer then and lost the
+    cancellation, and a stopping operator's election renewed on for ever)."""
+    client = _GatedClient()
+    elector = Elector(client, "operator-a", timing=FAST)  # type: ignore[arg-type]
+    attempt = asyncio.create_task(elector._attempt(5.0))
+    await asyncio.sleep(0)  # the round waits on its call
+    client.gate.set_result(None)
+    attempt.cancel()  # in the same turn as the answer
+    with pytest.raises(asyncio.CancelledError):
+        await attempt

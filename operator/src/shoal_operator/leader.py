@@ -248,7 +248,11 @@ class Elector:
 
     async def _attempt(self, timeout_s: float) -> bool:
         try:
-            return await asyncio.wait_for(self.try_acquire_or_renew(), timeout_s)
+            # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 a ``wait_for`` cancelled from
+            # outside as its call completes returns the result and loses the cancellation, and a
+            # cancelled election (the operator stopping) would then renew on for ever.
+            async with asyncio.timeout(timeout_s):
+                return await self.try_acquire_or_renew()
         except FAILURES as exc:
             logger.warning(f"lease {self.client.namespace}/{self.client.name}: {exc or type(exc).__name__}")
             return False
