@@ -104,6 +104,9 @@ lint: setup ## ruff lint (complexity budget included) and format check, mypy, Do
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --config-file= --python-version 3.11 --ignore-missing-imports --exclude '_pb2_grpc\.py$$' \
+		services/router/src/shoal_router services/tokenizer/src/shoal_tokenizer services/fleet/src/shoal_fleet \
+		operator/src/shoal_operator
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 	$(MAKE) --no-print-directory protos-check
 

@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -77,7 +78,8 @@ async def read_engine_loads(client: aioredis.Redis, cluster_id: str, now: float)
     """Every registered engine of ``cluster_id`` with a recent report, by engine id (its pod
     name), whatever its state."""
     keys = Keys(cluster_id)
-    ids = sorted(member.decode() for member in await client.smembers(keys.engines))
+    members = cast(set[bytes], await client.smembers(keys.engines))  # bytes: no decode_responses
+    ids = sorted(member.decode() for member in members)
     if not ids:
         return {}
     records = await client.mget([keys.engine(i) for i in ids])

@@ -144,8 +144,9 @@ def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
             await state.kube.close()
 
     async def reconcile(
-        namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+        namespace: str | None, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
     ) -> Outcome:
+        assert namespace is not None, "InferenceClusters and their children are namespaced"
         if state.reconciler is None:
             raise kopf.TemporaryError("not logged in to the API server yet", delay=RETRY_DELAY_S)
         try:
@@ -194,21 +195,27 @@ def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
     async def cluster_changed(
-        name: str, namespace: str, body: kopf.Body, logger: logging.LoggerAdapter[Any], **_: Any
+        name: str,
+        namespace: str | None,
+        body: kopf.Body,
+        logger: logging.Logger | logging.LoggerAdapter[Any],
+        **_: Any,
     ) -> None:
         outcome = await reconcile(namespace, name, logger)
         if outcome.invalid and outcome.status_written:
             kopf.warn(body, reason="InvalidSpec", message=outcome.invalid)
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
-    def cluster_deleted(name: str, namespace: str, logger: logging.LoggerAdapter[Any], **_: Any) -> None:
+    def cluster_deleted(
+        name: str, namespace: str | None, logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any
+    ) -> None:
         logger.info(f"{namespace}/{name} deleted: its children go with their owner references")
 
     async def child_event(
         event: kopf.RawEvent,
-        namespace: str,
+        namespace: str | None,
         labels: kopf.Labels,
-        logger: logging.LoggerAdapter[Any],
+        logger: logging.Logger | logging.LoggerAdapter[Any],
         **_: Any,
     ) -> None:
         owner = labels.get("app.kubernetes.io/instance")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
 
 from shoal_operator.cel import failures
 from shoal_protos.vllm_flags import OWNED_VLLM_FLAGS
@@ -77,7 +78,8 @@ class _Spec(BaseModel):
 
     @model_validator(mode="after")
     def _cel_rules(self) -> Self:
-        rules = (self.model_config.get("json_schema_extra") or {}).get("x-kubernetes-validations")
+        extra = self.model_config.get("json_schema_extra")
+        rules = extra.get("x-kubernetes-validations") if isinstance(extra, dict) else None
         if rules:
             value = self.model_dump(by_alias=True, exclude_none=True)
             broken = failures(rules, value)  # type: ignore[arg-type]
@@ -203,7 +205,7 @@ class Resources(_Spec):
     memory: str = Field(default="8Gi", pattern=QUANTITY_PATTERN, max_length=32, description="Memory.")
 
 
-_STRING_MAP = {"maxProperties": 64, "additionalProperties": {"type": "string", "maxLength": 4096}}
+_STRING_MAP: JsonDict = {"maxProperties": 64, "additionalProperties": {"type": "string", "maxLength": 4096}}
 
 
 class PodSettings(_Spec):

@@ -30,6 +30,7 @@ import xmlrpc.client
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import msgspec
@@ -411,7 +412,7 @@ class Fleet:
         """Each running program's pid (a program that died and was restarted has a new one)."""
         return {
             info["name"]: info["pid"]
-            for info in self._rpc().supervisor.getAllProcessInfo()
+            for info in cast(list[dict[str, Any]], self._rpc().supervisor.getAllProcessInfo())
             if info["statename"] == "RUNNING"
         }
 
@@ -425,7 +426,7 @@ class Fleet:
     def _check_program(self, program: str) -> None:
         """Fail at once when a program gave up (FATAL) or exited and will not be restarted."""
         try:
-            info = self._rpc().supervisor.getProcessInfo(program)
+            info = cast(dict[str, Any], self._rpc().supervisor.getProcessInfo(program))
         except (OSError, xmlrpc.client.Fault):
             return  # supervisord is still starting
         state = info["statename"]

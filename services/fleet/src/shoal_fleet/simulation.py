@@ -27,6 +27,7 @@ same arguments.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -254,7 +255,7 @@ class Simulation:
     def run(self) -> Result:
         draw = self.workload.draw()
         for (arrival, prompt, output), priority in zip(draw, self.workload.priorities(), strict=True):
-            self.at(arrival, lambda p=prompt, o=output, u=priority: self._arrive(p, o, u))
+            self.at(arrival, functools.partial(self._arrive, prompt, output, priority))
         window = draw[-1][0]
         self._empty_window = (window / 2, window)
         emitted: list[int] = []

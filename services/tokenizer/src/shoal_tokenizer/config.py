@@ -24,8 +24,8 @@ def pod_cpus() -> int:
 def _cgroup_quota() -> tuple[int, int]:
     """The cgroup's CPU quota and period in microseconds; (0, 0) when none is set or readable."""
     try:
-        limit, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        return (0, 0) if limit == "max" else (int(limit), int(period))
+        limit, every = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        return (0, 0) if limit == "max" else (int(limit), int(every))
     except (OSError, ValueError):
         pass
     try:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
@@ -139,7 +139,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         text = await self._off_loop(
             model.tokenizer.decode, list(request.token_ids), request.skip_special_tokens
         )
-        return pb.DetokenizeResponse(text=text)
+        return pb.DetokenizeResponse(text=cast(str, text))  # one sequence of ids: one string
 
     async def GetModelInfo(  # noqa: N802
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext

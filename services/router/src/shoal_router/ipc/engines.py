@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 import zmq
@@ -274,7 +275,7 @@ class EngineClient:
                         collector.flush()
                 if taken >= _DRAIN_PIECES:
                     await asyncio.sleep(0)  # more waits: let the handlers in first
-                elif not pull.get(zmq.EVENTS) & zmq.POLLIN:
+                elif not cast(int, pull.get(zmq.EVENTS)) & zmq.POLLIN:
                     waiter = loop.create_future()
                     await waiter
                     waiter = None

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import cast
 
 import msgspec
 import redis.asyncio as aioredis
@@ -208,7 +209,7 @@ class FleetView:
     async def recent_migrations(self, count: int = 20) -> list[MigrationRecord]:
         """The cluster's latest migration records, newest first (none if Redis cannot say)."""
         try:
-            ids = await self._client.lrange(self._keys.migrations, 0, count - 1)
+            ids = cast(list[bytes], await self._client.lrange(self._keys.migrations, 0, count - 1))
             raws = await self._client.mget([self._keys.migration(i.decode()) for i in ids]) if ids else []
         except (RedisError, OSError):
             return []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from shoal_protos import tokenizer_pb2 as pb
@@ -25,7 +27,7 @@ class TokenizerClient:
         request = pb.TokenizeRequest(model=model, text=text, add_special_tokens=True)
         return await self._tokenize(request, param="prompt")
 
-    async def tokenize_chat(self, model: str, messages: list[tuple[str, str]]) -> list[int]:
+    async def tokenize_chat(self, model: str, messages: Sequence[tuple[str, str]]) -> list[int]:
         chat = pb.ChatMessages(
             messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
             add_generation_prompt=True,
