@@ -40,6 +40,7 @@ from shoal_operator.spec import (
     ModelSpec,
     PodSettings,
 )
+from shoal_protos import tls
 
 ENGINE_ZMQ_PORT = 5600
 ENGINE_HTTP_PORT = 8100
@@ -211,7 +212,7 @@ def _fleet_tls_args(
     if name is None:
         return []
     mounts.append({"name": "fleet-tls", "mountPath": FLEET_TLS_DIR, "readOnly": True})
-    items = [{"key": key, "path": key} for key in ("ca.crt", "tls.crt", "tls.key")]
+    items = [{"key": key, "path": key} for key in (tls.CA_FILE, tls.CERT_FILE, tls.KEY_FILE)]
     volumes.append({"name": "fleet-tls", "secret": {"secretName": name, "items": items}})
     return ["--fleet-tls-dir", FLEET_TLS_DIR]
 

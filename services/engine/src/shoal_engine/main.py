@@ -459,6 +459,7 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C90
             redis_client,
             keys,
             metrics,
+            tls,
         )
         control = control_server(config, migrations, tls)
         await control.start()

@@ -73,7 +73,7 @@ from shoal_protos.records import (
     migration_record_decoder,
 )
 from shoal_protos.tasks import background
-from shoal_protos.tls import aio_channel, load_optional
+from shoal_protos.tls import FleetTls, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,10 @@ class MigrationManager:
         redis_client: aioredis.Redis,
         keys: Keys,
         metrics: EngineMetrics,
+        tls: FleetTls | None = None,
     ) -> None:
+        """``tls``: the fleet's TLS files (loaded once by the engine), for calls to other
+        engines' EngineControl; None: plain calls."""
         self._config = config
         self._engine_id = config.engine_id
         self._service = service
@@ -182,7 +185,7 @@ class MigrationManager:
         self._agent = AgentClient(self._ctx, config.kv_agent_address, config.migration_step_timeout_s)
         # Channels to other engines' control APIs, the most recently used last.
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
-        self._tls = load_optional(config.fleet_tls_dir)
+        self._tls = tls
         self._peer_push: dict[str, zmq.Socket[bytes]] = {}
         self._push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         self._encoder = RouterRequestEncoder()
