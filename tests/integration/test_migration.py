@@ -20,6 +20,7 @@ import pytest
 
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
+from shoal_protos.moves import MoveCode
 from tests.integration.support import (
     GREEDY_IDS,
     STALL_S,
@@ -142,7 +143,7 @@ class Mover:
     def _move(self, out: Streamed) -> None:
         owner = self.results[-1].target_engine_id if self.results else out.first_engine
         result = self.fleet.migrate(out.request_id, owner, _other(owner), self.mode)
-        if result.code == "not_running":
+        if result.code == MoveCode.NOT_RUNNING:
             self.gone = True
             return
         assert result.outcome == pb.MIGRATED, result
@@ -194,9 +195,9 @@ def _stream_moved_back_to_back(
                 call = pool.submit(fleet.migrate, out.request_id, owner, _other(owner), mode)
                 longest = run_models_until(fleet, ENGINES, call.done, 180, f"the move from {owner}")
                 result = call.result()
-                if result.code == "not_running":
+                if result.code == MoveCode.NOT_RUNNING:
                     break
-                if result.code == "step_timeout" and late < 3:
+                if result.code == MoveCode.STEP_TIMEOUT and late < 3:
                     # A step outran its deadline while a model process was stopped: the move was
                     # called off and the request goes on where it was (the stream must still be
                     # exact), and the move is tried again.
@@ -410,8 +411,7 @@ def test_target_without_room_refuses_and_the_request_stays(smol_fleet: RunningFl
         assert got.token_ids == ref_ids
         if outcomes[0].outcome != pb.GONE:
             break
-    assert (outcomes[0].outcome, outcomes[0].code) == (pb.REFUSED, "target_refused"), outcomes[0]
-    assert "no room" in outcomes[0].detail
+    assert (outcomes[0].outcome, outcomes[0].code) == (pb.REFUSED, MoveCode.NO_ROOM), outcomes[0]
 
 
 def _worker_of(fleet: RunningFleet, engine_id: str) -> psutil.Process:
@@ -483,7 +483,7 @@ def test_abort_after_a_move_reaches_the_new_owner(smol_fleet: RunningFleet) -> N
         # (A client that lags gets its tokens in fewer, larger chunks: it may not reach ten.)
         with contextlib.suppress(ClientLeftError):
             stream(smol_fleet, [601, 602, 603], 2 * LONG, move_then_leave)
-        if moved[0].code == "not_running":
+        if moved[0].code == MoveCode.NOT_RUNNING:
             continue
         assert moved[0].outcome == pb.MIGRATED, moved[0]
         owner = moved[0].target_engine_id

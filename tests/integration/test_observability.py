@@ -12,8 +12,10 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-from shoal_operator import dashboards
 
+from shoal_operator import dashboards
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos.moves import MoveCode
 from tests.integration.support import STALL_S, RunningFleet, prometheus_server, wait_until
 from tests.integration.test_migration import TINY_LONG, TINY_PROMPT, moved_back_to_back
 
@@ -58,6 +60,11 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
     with prometheus_server(tmp_path, jobs) as prometheus:
         # The load: a stream moved once mid-generation ...
         moved_back_to_back(tiny_fleet, TINY_PROMPT, TINY_LONG, 1)
+        # ... a move of a request that is not running (it ends GONE, code not_running) ...
+        gone = tiny_fleet.control(engines[0]).Migrate(
+            pb.MigrateRequest(request_id="no-such-request", reason="admin"), timeout=STALL_S
+        )
+        assert (gone.outcome, gone.code) == (pb.GONE, MoveCode.NOT_RUNNING), gone
         # ... plain requests, and one refused (an unknown model: 404).
         client = tiny_fleet.openai()
         for i in range(4):
@@ -68,15 +75,15 @@ def test_every_dashboard_query_returns_series_from_a_live_fleet(
             timeout=STALL_S,
         )
         assert refused.status_code == 404
-        # Rates need two samples in their window: wait until the last of the load (the 404) has
-        # been scraped twice.
+        # Rates need two samples in their window: wait until the last of the load on each job
+        # (the 404 on the router, the move that found nothing on the engine) has been scraped
+        # twice; the jobs are scraped at times of their own.
+        last_of_each_job = (
+            f'count_over_time(shoal_router_requests_total{{status="404"}}[{RATE_WINDOW}]) >= 2',
+            f'count_over_time(shoal_engine_migrations_total{{code="not_running"}}[{RATE_WINDOW}]) >= 2',
+        )
         wait_until(
-            lambda: bool(
-                _query(
-                    prometheus,
-                    f'count_over_time(shoal_router_requests_total{{status="404"}}[{RATE_WINDOW}]) >= 2',
-                )
-            ),
+            lambda: all(_query(prometheus, expr) for expr in last_of_each_job),
             STALL_S,
             "Prometheus to scrape the load twice",
             every_s=0.5,

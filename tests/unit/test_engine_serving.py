@@ -16,9 +16,9 @@ import msgspec
 import pytest
 
 from shoal_engine.backend import BackendDeadError, BackendOutput, BackendRequestError
+from shoal_engine.kv.params import KvLoad
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.serving import EngineService
-from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_protos.messages import (
     AbortRequest,
     AddRequest,
@@ -27,6 +27,7 @@ from shoal_protos.messages import (
     RequestPiece,
     SamplingOptions,
 )
+from shoal_sim.engine import SimConfig, SimulatedBackend
 
 ENGINE_ID = "engine-test"
 MODEL = "tiny"
@@ -70,7 +71,7 @@ class FakeBackend:
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
-        kv_params: dict[str, object] | None = None,
+        kv_load: KvLoad | None = None,
         priority: int = 0,
         produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:

@@ -19,7 +19,7 @@ import zmq
 
 from shoal_engine.backend import EngineTimes
 from shoal_engine.config import EngineConfig
-from shoal_engine.kv.sim_agent import SimKvAgent, SimStaging
+from shoal_engine.kv.params import KvLoad
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration import (
     MAX_CHANNELS,
@@ -32,6 +32,7 @@ from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
 from shoal_protos.messages import PROTOCOL_VERSION, AddRequest, RouterRequestEncoder, SamplingOptions
+from shoal_protos.moves import MoveCode
 from shoal_protos.records import (
     TARGET_PHASES,
     EngineRecord,
@@ -40,6 +41,7 @@ from shoal_protos.records import (
     migration_record_decoder,
     owner_record_decoder,
 )
+from shoal_sim.kv_agent import SimKvAgent, SimStaging
 from tests.integration.support import free_port, redis_server
 
 BLOCK, BYTES_PER_BLOCK = 16, 4096
@@ -180,9 +182,16 @@ async def _move(
     )
     await redis_client.set(keys.engine("target"), json_encoder.encode(record))
     metrics = metrics or EngineMetrics("source", "m")
-    manager = MigrationManager(config, service, lambda: 100, redis_client, keys, metrics)  # type: ignore[arg-type]
-    manager._agent = agent  # type: ignore[assignment]
-    manager._stub = lambda address: target  # type: ignore[assignment,method-assign,return-value]
+    manager = MigrationManager(
+        config,
+        service,  # type: ignore[arg-type]
+        lambda: 100,
+        redis_client,
+        keys,
+        metrics,
+        agent=agent,
+        control_stub=lambda address: target,  # type: ignore[arg-type,return-value]
+    )
     try:
         result = await manager.migrate(service.request_id, "target", "admin")
         # The move's record, written to Redis after it ended, says how it went.
@@ -228,7 +237,7 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
     )
     service, target, metrics = PlayedService("r1"), PlayedTarget(), EngineMetrics("source", "m")
     result = await _move(redis_client, agent, service, target, metrics)
-    assert (result.outcome, result.code) == (pb.MIGRATED, "moved"), result.detail
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result.detail
     assert agent.sends() == [(0, False), (4, False), (4, False), (10, True)]
     assert (result.stages, result.blocks, result.kv_tokens) == (4, 11, written)
     labels = {"engine": "source", "model": "m"}
@@ -267,7 +276,7 @@ async def test_a_request_still_preempted_at_the_stop_moves_with_the_blocks_it_ha
     )
     service, target = PlayedService("r2"), PlayedTarget()
     result = await _move(redis_client, agent, service, target)
-    assert (result.outcome, result.code) == (pb.MIGRATED, "moved"), result.detail
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result.detail
     assert agent.sends() == [(0, False), (3, False), (3, False), (3, False), (3, True)]
     # No KV written when it stopped: the commit says so, and the target computes it all.
     assert result.kv_tokens == 0 and target.commits[0].kv_tokens == 0
@@ -288,7 +297,8 @@ async def test_a_send_after_the_stop_that_loses_its_blocks_leaves_the_request_on
     agent = LosingAgent(stages=[_sent(0, 10, len(PROMPT) + 2)], final=_sent(10, 1, len(PROMPT) + 2))
     service, target = PlayedService("r3"), PlayedTarget()
     result = await _move(redis_client, agent, service, target)
-    assert (result.outcome, result.code) == (pb.FAILED, "step_failed") and "lost its blocks" in result.detail
+    assert (result.outcome, result.code) == (pb.FAILED, MoveCode.STEP_FAILED), result
+    assert "lost its blocks" in result.detail
     # It runs on here after the tokens it had; the target's staging is cancelled.
     assert [add.output_token_ids for add in service.resumed] == [service.outputs]
     assert not service.handed_over and len(target.cancels) == 1 and not target.commits
@@ -384,9 +394,8 @@ async def test_an_engine_of_several_workers_refuses_to_move_its_requests(
     request on its target. Refused, with the reason, before anything is asked of the target."""
     agent, service, target = PlayedAgent(stages=[], final=_sent(0, 1, 1)), PlayedService("r1"), PlayedTarget()
     result = await _move(redis_client, agent, service, target, **parallel)
-    assert (result.outcome, result.code) == (pb.REFUSED, "sharded") and "rank to rank" in result.detail, (
-        result
-    )
+    assert (result.outcome, result.code) == (pb.REFUSED, MoveCode.SHARDED), result
+    assert "rank to rank" in result.detail
     assert agent.commands == [] and not target.commits and not service.handed_over
 
 
@@ -405,7 +414,7 @@ async def test_an_engine_of_several_workers_refuses_to_take_a_request_in(
         reply = await manager.prepare(pb.PrepareRequest(migration_id="m", request_id="r1", num_blocks=1))
     finally:
         await manager.aclose()
-    assert not reply.accepted and "rank to rank" in reply.detail
+    assert (reply.accepted, reply.code) == (False, MoveCode.SHARDED) and "rank to rank" in reply.detail
 
 
 class ArrivingService:
@@ -419,7 +428,7 @@ class ArrivingService:
     def tokens_of(self, request_id: str) -> int | None:
         return len(PROMPT) if request_id in self.running else None
 
-    def start(self, add: AddRequest, kv_params: dict[str, Any] | None = None) -> None:
+    def start(self, add: AddRequest, kv_load: KvLoad | None = None) -> None:
         self.running.add(add.request_id)
 
 
@@ -440,7 +449,7 @@ async def test_the_target_forgets_moves_whose_requests_end_before_their_first_ou
             commit = pb.CommitRequest(migration_id=f"m{i}", add_request=encoder.add(add)[1])
             assert (await manager.commit(commit)).accepted
             service.running.discard(add.request_id)  # aborted before its first output
-        assert len(manager._arriving) == 1
+        assert len(manager.target.arriving) == 1
         # What the request socket refuses, a commit refuses too: outputs to anything but a
         # router's tcp://host:port.
         add = AddRequest("r-bad", PROMPT, SamplingOptions(max_tokens=8), "ipc:///tmp/elsewhere")
@@ -458,11 +467,12 @@ async def test_channels_to_engines_not_met_for_longest_are_closed(redis_client: 
         config, ArrivingService(), lambda: 100, redis_client, Keys("c"), EngineMetrics("t", "m")
     )  # type: ignore[arg-type]
     try:
-        manager._stub("127.0.0.1:1")
+        peers = manager.peers
+        peers.stub("127.0.0.1:1")
         for port in range(2, 3 * MAX_CHANNELS):
-            manager._stub(f"127.0.0.1:{port}")
-            manager._stub("127.0.0.1:1")  # used all along: kept
-        assert len(manager._channels) == MAX_CHANNELS
-        assert "127.0.0.1:1" in manager._channels and "127.0.0.1:2" not in manager._channels
+            peers.stub(f"127.0.0.1:{port}")
+            peers.stub("127.0.0.1:1")  # used all along: kept
+        assert len(peers.channels) == MAX_CHANNELS
+        assert "127.0.0.1:1" in peers.channels and "127.0.0.1:2" not in peers.channels
     finally:
         await manager.aclose()

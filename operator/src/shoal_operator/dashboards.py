@@ -26,6 +26,7 @@ MODEL = 'model=~"$model"'
 ENGINE = 'engine=~"$engine"'
 ERRORS = 'status=~"4..|5.."'
 SOURCE = 'role="source"'
+NOT_MOVED = 'role="source",outcome!="MIGRATED"'
 ROUTER_ONLY = "and on(instance) shoal_router_requests_inflight"
 
 
@@ -230,6 +231,19 @@ MIGRATIONS = Dashboard(
                 (
                     f"sum by (reason, outcome) ({_rate('shoal_engine_migrations_total', SOURCE)})",
                     "{{reason}} {{outcome}}",
+                ),
+            ),
+            "ops",
+        ),
+        Panel(
+            "Moves that did not happen, by code",
+            "Moves that ended otherwise than migrated, by why (shoal_protos.moves.MoveCode): the "
+            "request was gone, the target refused (no_room, target_draining, layout_differs), or "
+            "a step failed (step_timeout, target_unreachable, step_failed).",
+            (
+                (
+                    f"sum by (code) ({_rate('shoal_engine_migrations_total', NOT_MOVED)})",
+                    "{{code}}",
                 ),
             ),
             "ops",

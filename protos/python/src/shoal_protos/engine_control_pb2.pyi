@@ -143,16 +143,18 @@ class PrepareRequest(_message.Message):
     def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
-    __slots__ = ("accepted", "detail", "kv_address", "staging_ttl_s")
+    __slots__ = ("accepted", "detail", "kv_address", "staging_ttl_s", "code")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STAGING_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     detail: str
     kv_address: str
     staging_ttl_s: float
-    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., kv_address: _Optional[str] = ..., staging_ttl_s: _Optional[float] = ...) -> None: ...
+    code: str
+    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., kv_address: _Optional[str] = ..., staging_ttl_s: _Optional[float] = ..., code: _Optional[str] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("migration_id", "token_ids", "kv_tokens")

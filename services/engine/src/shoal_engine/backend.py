@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
+from shoal_engine.kv.params import KvLoad
 from shoal_protos.messages import FinishReason, SamplingOptions
 
 
@@ -70,13 +71,13 @@ class EngineBackend(Protocol):
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
-        kv_params: dict[str, object] | None = None,
+        kv_load: KvLoad | None = None,
         priority: int = 0,
         produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         """Stream a request's output. Cancelling the iteration, or closing the stream early,
         aborts the request.
-        ``kv_params`` are for the KV connector (a migrated request's staged KV); ``priority``
+        ``kv_load``: the request arrives by migration, its KV staged here; ``priority``
         orders requests where the backend schedules by priority (lower first); ``produced``:
         the last ``produced`` tokens of ``prompt_token_ids`` are the request's own output so
         far (it resumes here), whose text was shown up to the stop strings' held-back part."""

@@ -43,11 +43,15 @@ class EngineMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=registry,
         ).labels(**self._labels)
+        self._add_migration_metrics(registry)
 
+    def _add_migration_metrics(self, registry: CollectorRegistry) -> None:
+        """The series of moves of running requests between engines (``migration``)."""
         self.migrations = Counter(
             "shoal_engine_migrations",
-            "Migrations this engine took part in, by role (source, target), reason and outcome.",
-            [*_LABELS, "role", "reason", "outcome"],
+            "Migrations this engine took part in, by role (source, target), reason, outcome and "
+            "code (why it ended so: shoal_protos.moves.MoveCode).",
+            [*_LABELS, "role", "reason", "outcome", "code"],
             registry=registry,
         )
         self.migration_bytes = Histogram(
@@ -109,8 +113,8 @@ class EngineMetrics:
     def migration_phase(self, phase: str, seconds: float) -> None:
         self._migration_phase.labels(**self._labels, phase=phase).observe(seconds)
 
-    def migrated(self, role: str, reason: str, outcome: str) -> None:
-        self.migrations.labels(**self._labels, role=role, reason=reason, outcome=outcome).inc()
+    def migrated(self, role: str, reason: str, outcome: str, code: str) -> None:
+        self.migrations.labels(**self._labels, role=role, reason=reason, outcome=outcome, code=code).inc()
 
     def finished(self, reason: str) -> None:
         self.requests.labels(**self._labels, finish_reason=reason).inc()

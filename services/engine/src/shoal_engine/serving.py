@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shoal_engine.backend import BackendDeadError, BackendRequestError, EngineBackend, EngineTimes
+from shoal_engine.kv.params import KvLoad
 from shoal_engine.metrics import EngineMetrics
 from shoal_protos.messages import (
     AbortRequest,
@@ -53,7 +54,7 @@ ForwardAbort = Callable[[str, str, str], None]
 @dataclass(slots=True)
 class _Running:
     add: AddRequest
-    kv_params: dict[str, object] | None = None
+    kv_load: KvLoad | None = None
     task: asyncio.Task[None] | None = None
     abort_reason: str = ""
     # Output tokens of this request so far, those it arrived with included.
@@ -150,12 +151,12 @@ class EngineService:
             return None
         return running.add.prompt_token_ids + running.output_ids
 
-    async def prefill(self, request_id: str, token_ids: list[int], kv_params: dict[str, object]) -> None:
+    async def prefill(self, request_id: str, token_ids: list[int], kv_load: KvLoad) -> None:
         """Run ``token_ids`` through the backend for one token, dropped: no request of the
         fleet's, nothing sent to a router. A migration's warm-up (its KV loaded from staging
-        by ``kv_params``) leaves the context in the backend's prefix cache."""
+        by ``kv_load``) leaves the context in the backend's prefix cache."""
         stream = self._backend.generate(
-            request_id, token_ids, SamplingOptions(max_tokens=1, temperature=0.0), kv_params
+            request_id, token_ids, SamplingOptions(max_tokens=1, temperature=0.0), kv_load
         )
         try:
             async for _ in stream:
@@ -238,10 +239,10 @@ class EngineService:
             return
         self.start(add)
 
-    def start(self, add: AddRequest, kv_params: dict[str, object] | None = None) -> None:
+    def start(self, add: AddRequest, kv_load: KvLoad | None = None) -> None:
         """Run ``add`` (continuing after ``add.output_token_ids`` if it has any)."""
         self._moved.pop(add.request_id, None)
-        running = _Running(add, kv_params, output_ids=list(add.output_token_ids))
+        running = _Running(add, kv_load, output_ids=list(add.output_token_ids))
         self._running[add.request_id] = running
         self._idle.clear()
         running.task = asyncio.create_task(self._run(running), name=f"request-{add.request_id}")
@@ -317,7 +318,7 @@ class EngineService:
                 sampling, max_tokens=sampling.max_tokens - len(add.output_token_ids)
             )
         stream = self._backend.generate(
-            add.request_id, prompt, sampling, running.kv_params, add.priority, len(add.output_token_ids)
+            add.request_id, prompt, sampling, running.kv_load, add.priority, len(add.output_token_ids)
         )
         async for out in stream:
             piece = RequestPiece(

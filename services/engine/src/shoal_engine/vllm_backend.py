@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from tokenizers import Tokenizer
 from transformers import TokenizersBackend
@@ -42,7 +42,7 @@ from shoal_engine.backend import (
 )
 from shoal_engine.config import EngineConfig
 from shoal_engine.detokenize import OutputText, StopStrings
-from shoal_engine.kv.connector import PARAMS_KEY
+from shoal_engine.kv.params import ConnectorSettings, KvLoad, KvParams
 from shoal_engine.vllm_args import OWNED_FIELDS, VllmArgsError, refusal
 from shoal_protos.messages import FinishReason, SamplingOptions
 
@@ -185,8 +185,9 @@ def shoal_engine_args(config: EngineConfig) -> dict[str, Any]:
     return args
 
 
-VLLM_GPU_MEMORY_UTILIZATION: float = next(
-    field.default for field in dataclasses.fields(AsyncEngineArgs) if field.name == "gpu_memory_utilization"
+VLLM_GPU_MEMORY_UTILIZATION = cast(
+    float,
+    next(f.default for f in dataclasses.fields(AsyncEngineArgs) if f.name == "gpu_memory_utilization"),
 )
 """vLLM's own default of ``gpu_memory_utilization``, read from its engine arguments."""
 NCCL_PAIR_RESERVE = 64 << 20
@@ -224,19 +225,17 @@ def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
         kv_connector="ShoalConnector",
         kv_role="kv_both",
         kv_connector_module_path="shoal_engine.kv.connector",
-        kv_connector_extra_config={
-            "control_address": config.kv_agent_address,
-            "data_address": config.kv_data_bind,
-            # Where other engines reach the data socket: a bind to ``::`` names no one address.
-            "host": config.host,
-            "transport": config.kv_transport,
-            "staging_bytes": config.kv_staging_mib << 20,
-            "max_pairs": config.kv_max_pairs,
-            "debug_reads": config.kv_debug_reads,
-            "tls_dir": config.fleet_tls_dir or "",
-            # A transfer never outlasts the migration step it serves.
-            "timeout_s": config.migration_step_timeout_s,
-        },
+        kv_connector_extra_config=ConnectorSettings(
+            control_address=config.kv_agent_address,
+            data_address=config.kv_data_bind,
+            host=config.host,
+            transport=config.kv_transport,
+            staging_bytes=config.kv_staging_mib << 20,
+            max_pairs=config.kv_max_pairs,
+            debug_reads=config.kv_debug_reads,
+            tls_dir=config.fleet_tls_dir or "",
+            timeout_s=config.migration_step_timeout_s,
+        ).to_vllm(),
     )
 
 
@@ -279,7 +278,7 @@ class VllmBackend:
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
-        kv_params: dict[str, object] | None = None,
+        kv_load: KvLoad | None = None,
         priority: int = 0,
         produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
@@ -300,8 +299,8 @@ class VllmBackend:
             params = to_sampling_params(sampling, detokenize=text is None)
             if self._config.migration:
                 # The KV connector knows requests by Shoal's id (vLLM adds a suffix to its own).
-                shoal = {"id": request_id, **(kv_params or {})}
-                params.extra_args = {"kv_transfer_params": {PARAMS_KEY: shoal}}
+                shoal = KvParams(id=request_id, load=kv_load)
+                params.extra_args = {"kv_transfer_params": shoal.to_vllm()}
             outputs = self._llm.generate(prompt, params, request_id, priority=priority)
             first = True
             try:

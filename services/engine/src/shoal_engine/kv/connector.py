@@ -6,12 +6,12 @@ cache). Only public ``KVConnectorBase_V1`` hooks are used.
 Scheduler side, every step (``build_connector_meta``):
   * the block tables of the requests it scheduled (whole table for new or resumed requests,
     appended blocks otherwise) and how many tokens of KV each will have after the step, keyed by
-    Shoal's request id (passed in ``kv_transfer_params["shoal"]["id"]``);
-  * loads: a request arriving by migration carries ``{"load": {"migration": M, "tokens": T}}``;
+    Shoal's request id (passed in ``kv_transfer_params``, as ``KvParams``);
+  * loads: a request arriving by migration carries a ``KvLoad`` (migration M, tokens T);
     ``get_num_new_matched_tokens`` claims its first ``T`` tokens (never the last one, which
     vLLM must compute; less what the local prefix cache has), and once vLLM has allocated the
     blocks the metadata tells the worker which staged blocks go where. A warm-up before the
-    stop (``"keep": True``, the migration's context so far, one output token) loads them
+    stop (``keep``, the migration's context so far, one output token) loads them
     without freeing the staging area; its blocks stay in vLLM's prefix cache, so the commit's
     request finds them there and loads only the blocks after them. A commit's request that
     finds every staged token there loads nothing, and its staging area is freed at once.
@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
+from shoal_engine.kv.params import ConnectorSettings, KvParams
 from shoal_protos.addresses import split_host_port, tcp_url
 from shoal_protos.tls import load_optional
 
@@ -76,8 +77,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-PARAMS_KEY = "shoal"
 
 
 @dataclass
@@ -110,7 +109,7 @@ class ShoalConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks
-        self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config)
+        self._settings = ConnectorSettings.from_vllm(dict(self._kv_transfer_config.kv_connector_extra_config))
         # Scheduler side: vLLM's request id -> Shoal's; loads waiting for their blocks.
         self._ids: dict[str, str] = {}
         self._loads: dict[str, _PendingLoad] = {}
@@ -135,17 +134,18 @@ class ShoalConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
-        if "id" in params:
-            self._ids[request.request_id] = str(params["id"])
-        load = params.get("load")
-        if not load:
+        params = KvParams.from_vllm(request.kv_transfer_params)
+        if params is None:
+            return 0, False
+        self._ids[request.request_id] = params.id
+        load = params.load
+        if load is None:
             return 0, False
         # Never the last token: vLLM must compute at least one to sample the next.
-        tokens = min(int(load["tokens"]), request.num_tokens - 1)
+        tokens = min(load.tokens, request.num_tokens - 1)
         if tokens <= num_computed_tokens:
-            if not load.get("keep"):
-                self._unneeded.append(str(load["migration"]))
+            if not load.keep:
+                self._unneeded.append(load.migration)
             return 0, False
         # The local prefix cache already has the first ``num_computed_tokens``: load the rest.
         self._matched[request.request_id] = num_computed_tokens
@@ -157,13 +157,15 @@ class ShoalConnector(KVConnectorBase_V1):
         local = self._matched.pop(request.request_id, None)
         if num_external_tokens <= 0 or local is None:
             return
-        load = (request.kv_transfer_params or {})[PARAMS_KEY]["load"]
+        params = KvParams.from_vllm(request.kv_transfer_params)
+        load = params.load if params is not None else None
+        assert load is not None, "a request vLLM allocated external tokens for carries a load"
         end = local + num_external_tokens
         self._loads[request.request_id] = _PendingLoad(
-            str(load["migration"]),
+            load.migration,
             local // self._block_size,
             -(-end // self._block_size),  # the last, partly filled block too
-            bool(load.get("keep")),
+            load.keep,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -236,24 +238,23 @@ class ShoalConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Each worker of a tensor- or pipeline-parallel engine runs its own agent, for its shard.
         rank = get_tensor_model_parallel_rank() + get_pp_group().rank_in_group * get_tp_group().world_size
-        control, data = worker_addresses(
-            str(self._extra["control_address"]), str(self._extra["data_address"]), rank
-        )
+        settings = self._settings
+        control, data = worker_addresses(settings.control_address, settings.data_address, rank)
         self._agent = KvAgent(
             kv_caches,
             self._num_blocks,
             self._block_size,
             control_address=control,
             data_address=data,
-            transport=str(self._extra.get("transport", "tcp")),
-            chunk_bytes=int(self._extra.get("chunk_bytes", 8 << 20)),
-            staging_ttl_s=float(self._extra.get("staging_ttl_s", 60.0)),
-            timeout_s=float(self._extra.get("timeout_s", 10.0)),
-            staging_bytes=int(self._extra.get("staging_bytes", 1 << 30)),
-            max_pairs=int(self._extra.get("max_pairs", 4)),
-            host=str(self._extra["host"]) if self._extra.get("host") else None,
-            debug_reads=bool(self._extra.get("debug_reads", False)),
-            tls=load_optional(str(self._extra.get("tls_dir") or "")),
+            transport=settings.transport,
+            chunk_bytes=settings.chunk_bytes,
+            staging_ttl_s=settings.staging_ttl_s,
+            timeout_s=settings.timeout_s,
+            staging_bytes=settings.staging_bytes,
+            max_pairs=settings.max_pairs,
+            host=settings.host or None,
+            debug_reads=settings.debug_reads,
+            tls=load_optional(settings.tls_dir),
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -1,0 +1,140 @@
+"""What every part of a move shares: its errors, its clock, the KV agent's line, and the
+arithmetic of its measurements."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from shoal_engine.backend import EngineTimes
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import kv
+from shoal_protos.addresses import zmq_connect
+from shoal_protos.moves import MoveCode
+from shoal_protos.records import TARGET_PHASES
+
+MIN_TOKENS_LEFT = 16
+"""A request the engine picks to move must have this many tokens still to generate (moving one
+about to finish costs more than it saves)."""
+
+SHARDED = (
+    "tensor- or pipeline-parallel engines do not move requests yet: each worker holds a shard of "
+    "the KV cache, and the shards would have to go rank to rank"
+)
+"""Why an engine of several vLLM workers refuses moves, out and in. Each worker's KV agent
+serves its own shard (on ports offset by its rank); a move through rank 0's alone would copy
+part of the KV and corrupt the request on its target."""
+
+
+class MigrationError(Exception):
+    """A migration step failed; the request stays on (or comes back to) the source."""
+
+
+class MoveEndedError(Exception):
+    """A move ends early with ``code`` (a refusal, or the request gone) and ``detail``."""
+
+    def __init__(self, code: MoveCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.detail = detail
+
+
+class AgentCaller(Protocol):
+    """What the migration code needs of its KV agent: one command, one reply."""
+
+    async def call(self, command: kv.AgentCommand) -> kv.AgentReply: ...
+
+
+class AgentClient:
+    """The engine service's line to its KV agent (a REQ socket; one call at a time)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> None:
+        self._ctx = ctx
+        self._address = address
+        self._timeout_s = timeout_s
+        self._lock = asyncio.Lock()
+        self._sock: zmq.asyncio.Socket | None = None
+
+    async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
+        async with self._lock:
+            if self._sock is None:
+                self._sock = self._ctx.socket(zmq.REQ)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                zmq_connect(self._sock, self._address)  # type: ignore[arg-type]
+            sock = self._sock
+            try:
+                await sock.send(kv.encoder.encode(command))
+                if not await sock.poll(self._timeout_s * 1000):
+                    raise MigrationError(f"KV agent did not answer within {self._timeout_s} s")
+                reply = kv.agent_reply_decoder.decode(await sock.recv())
+            except BaseException:
+                # A REQ socket whose reply was not read (timeout, cancellation) is stuck in
+                # its send-receive cycle: start over with a new one.
+                sock.close(linger=0)
+                self._sock = None
+                raise
+        if isinstance(reply, kv.AgentError):
+            raise MigrationError(f"KV agent: {reply.message}")
+        return reply
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+
+
+class PhaseClock:
+    """Times the parts of a move into ``result.phase_ms``: each ``mark`` ends the part it names,
+    which began where the previous part ended (the first, where the move began)."""
+
+    def __init__(self, result: pb.MigrationResult, started: float) -> None:
+        self._result = result
+        self._last = started
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._result.phase_ms[phase] = (now - self._last) * 1000
+        self._last = now
+
+
+def count_stage(result: pb.MigrationResult, sent: kv.AgentReply) -> kv.SentBlocks:
+    """Add a send's blocks and bytes to the move's totals; the send's reply."""
+    assert isinstance(sent, kv.SentBlocks), sent
+    result.stages += 1
+    result.bytes += sent.bytes
+    result.blocks += sent.blocks
+    return sent
+
+
+def mean_step_ms(ends: list[float], start: float, end: float) -> float:
+    """The mean time between the steps that ended from ``start`` to ``end`` (seconds, oldest
+    first), in ms; 0 when fewer than two did."""
+    inside = [t for t in ends if start <= t <= end]
+    if len(inside) < 2:
+        return 0.0
+    return (inside[-1] - inside[0]) / (len(inside) - 1) * 1000
+
+
+def target_phases_ms(reached: float, engine_times: EngineTimes | None, delivered: float) -> dict[str, float]:
+    """The parts of a hand-over on its target (``TARGET_PHASES``), in ms, from when the commit
+    reached it, the engine's stamps of the request and when its first token reached the engine
+    service (all ``time.monotonic``); empty without the engine's stamps. A stamp out of order
+    (clocks read in other processes) counts its part as 0, never negative."""
+    if engine_times is None:
+        return {}
+    marks = (
+        reached,
+        engine_times.queued,
+        engine_times.scheduled,
+        engine_times.first_token,
+        delivered,
+    )
+    phases: dict[str, float] = {}
+    last = reached
+    for phase, mark in zip(TARGET_PHASES, marks[1:], strict=True):
+        phases[phase] = max(0.0, mark - last) * 1000
+        last = max(last, mark)
+    return phases
