@@ -404,11 +404,11 @@ def extra_router(
     cfg = fleet.cfg
     command = [
         sys.executable, "-m", "shoal_router.main",
-        "--model", fleet.model,
+        "--models", fleet.model,
         "--cluster", cfg.cluster,
         "--router-id", router_id,
         "--redis-url", cfg.redis_url,
-        "--tokenizer", f"{cfg.host}:{cfg.tokenizer_port}",
+        "--tokenizer-address", f"{cfg.host}:{cfg.tokenizer_port}",
         "--host", cfg.host,
         "--port", str(port),
         "--zmq-port", str(free_port()),
@@ -486,8 +486,8 @@ def sim_fleet(
             port = free_port()
             spawn(
                 [
-                    sys.executable, "-m", "shoal_router.main", "--model", model, "--cluster", cluster,
-                    "--redis-url", redis_url, "--tokenizer", "127.0.0.1:1", "--port", str(port),
+                    sys.executable, "-m", "shoal_router.main", "--models", model, "--cluster", cluster,
+                    "--redis-url", redis_url, "--tokenizer-address", "127.0.0.1:1", "--port", str(port),
                     "--zmq-port", str(free_port()), *router_args,
                 ],
                 "router",

@@ -80,7 +80,7 @@ def _router_state(fleet: RunningFleet, engine_id: str) -> str | None:
 def test_an_engine_back_within_the_silence_grace_keeps_its_stream(tiny_fleet: RunningFleet) -> None:
     """An engine whose record expired (here: the engine frozen and its record deleted, as when a
     stall of the whole machine outlasts the heartbeat TTL) is SILENT to the router: no new
-    requests, but its stream stays. Woken within ``--engine-silence-grace``, it writes its
+    requests, but its stream stays. Woken within ``--engine-silence-grace-s``, it writes its
     record again, the router takes it back, and the stream ends on it with the tokens of a run
     that never stopped; nothing was continued elsewhere."""
     body = {

@@ -1,4 +1,4 @@
-"""Overload on a real router process (``--max-inflight 1 --max-queued 1 --queue-timeout 2``):
+"""Overload on a real router process (one slot, one place in line, a 2 s wait at most):
 one request runs, one waits in line, the next is refused at once with 429 and ``Retry-After``,
 the waiting one is refused when its wait runs out, a flood of refusals leaves the router's
 memory where it was, and once the running request ends the router serves again.
@@ -29,7 +29,7 @@ def _complete(url: str, model: str, timeout_s: float) -> httpx.Response:
 
 def test_a_full_router_refuses_with_429_and_serves_again(tiny_fleet: RunningFleet, tmp_path: Path) -> None:
     records = [r for i in range(2) if (r := tiny_fleet.engine_record(tiny_fleet.cfg.engine_id(i)))]
-    limits = ("--max-inflight", "1", "--max-queued", "1", "--queue-timeout", "2")
+    limits = ("--max-inflight-requests", "1", "--max-queued-requests", "1", "--queue-timeout-s", "2")
     replies: dict[str, httpx.Response] = {}
 
     def post(url: str, name: str) -> None:

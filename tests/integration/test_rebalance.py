@@ -76,7 +76,7 @@ async def test_two_routers_one_balancing_every_stream_exactly_once(
     cfg = smol_fleet.cfg
     assert cfg.zmq_curve_key_file is not None and cfg.fleet_tls_dir is not None
     args = (
-        "--balance", "--balance-interval", "0.3", "--balance-cooldown", "1",
+        "--balance", "--balance-interval-s", "0.3", "--balance-cooldown-s", "1",
         "--zmq-curve-key-file", cfg.zmq_curve_key_file, "--fleet-tls-dir", cfg.fleet_tls_dir,
     )  # fmt: skip
     crowded, idle = (cfg.engine_id(i) for i in range(2))

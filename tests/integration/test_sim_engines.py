@@ -92,7 +92,7 @@ async def test_a_request_waits_at_the_router_while_the_engine_is_short_of_kv(
         "--block-size", str(block_size), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
     ]  # fmt: skip
     with start_sim_fleet(
-        tmp_path, "sim-hold", MODEL, engine_args, router_args=("--hold-max", "60"), engines=1
+        tmp_path, "sim-hold", MODEL, engine_args, router_args=("--hold-max-s", "60"), engines=1
     ) as fleet:
         client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         first = asyncio.create_task(_stream(client, list(range(2000, 2600)), 400))
@@ -130,7 +130,7 @@ async def test_a_prompt_that_fits_an_engine_of_large_blocks_is_not_held(tmp_path
         "--max-model-len", "4096", "--max-num-seqs", "16",
     ]  # fmt: skip
     with start_sim_fleet(
-        tmp_path, "sim-big-blocks", MODEL, engine_args, router_args=("--hold-max", "60"), engines=1
+        tmp_path, "sim-big-blocks", MODEL, engine_args, router_args=("--hold-max-s", "60"), engines=1
     ) as fleet:
         client = openai.AsyncOpenAI(base_url=fleet.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         engine, ids = await asyncio.wait_for(_stream(client, list(range(5000, 6000)), 20), 2 * STALL_S)

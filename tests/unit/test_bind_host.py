@@ -24,14 +24,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shoal_engine import main as engine_main
 from shoal_engine.ipc.sockets import RequestReceiver
 from shoal_engine.kv.agent import KvAgent
-from shoal_engine.kv.sim_agent import SimKvAgent
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration import MigrationManager
 from shoal_engine.serving import EngineService
-from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_protos.addresses import host_port, http_url, tcp_url
 from shoal_protos.messages import OutputBatch
 from shoal_router import main as router_main
+from shoal_sim.engine import SimConfig, SimulatedBackend
+from shoal_sim.kv_agent import SimKvAgent
 from shoal_tokenizer import main as tokenizer_main
 from tests.integration.support import until
 from tests.unit.listeners import (
@@ -93,7 +93,7 @@ async def test_a_router_bound_to_any_address_serves_both_loopbacks(caplog: pytes
     config = router_main.parse_args(
         [
             *("--host", ELSEWHERE, "--bind-host", "::", "--port", str(port), "--zmq-port", str(zmq_port)),
-            *("--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--tokenizer", "127.0.0.1:1"),
+            *("--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--tokenizer-address", "127.0.0.1:1"),
         ]
     )
     caplog.set_level(logging.INFO, logger="shoal.router")
@@ -262,7 +262,7 @@ async def _health(host: str, port: int) -> int:
 
 
 def test_the_tokenizer_binds_its_host_without_bind_host() -> None:
-    config = tokenizer_main.parse_args(["--model", "m=/models/m", "--host", "10.1.2.3"])
+    config = tokenizer_main.parse_args(["--models", "m=/models/m", "--host", "10.1.2.3"])
     assert config.listen_host == "10.1.2.3"
 
 
@@ -270,7 +270,7 @@ def test_the_tokenizer_binds_its_host_without_bind_host() -> None:
 async def test_a_tokenizer_bound_to_any_address_serves_both_loopbacks() -> None:
     port = free_ports()
     config = tokenizer_main.parse_args(
-        ["--model", "m=/models/m", "--host", ELSEWHERE, "--bind-host", "::", "--port", str(port)]
+        ["--models", "m=/models/m", "--host", ELSEWHERE, "--bind-host", "::", "--port", str(port)]
     )
     server, _ = await tokenizer_main.start_server(config, {})
     try:
@@ -284,7 +284,7 @@ async def test_a_tokenizer_bound_to_any_address_serves_both_loopbacks() -> None:
 async def test_a_tokenizer_bound_to_any_ipv4_address_serves_ipv4() -> None:
     port = free_ports()
     config = tokenizer_main.parse_args(
-        ["--model", "m=/models/m", "--host", ELSEWHERE, "--bind-host", "0.0.0.0", "--port", str(port)]
+        ["--models", "m=/models/m", "--host", ELSEWHERE, "--bind-host", "0.0.0.0", "--port", str(port)]
     )
     server, _ = await tokenizer_main.start_server(config, {})
     try:

@@ -82,9 +82,9 @@ def test_each_flag_reaches_the_config(argv: list[str], field: str, value: object
         ["--revision", ""],
     ],
 )
-def test_out_of_range_values_are_refused(argv: list[str]) -> None:
-    with pytest.raises(ValueError, match="validation error"):
-        parse_args([*COMMON, *argv])
+def test_out_of_range_values_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    line = refused([*COMMON, *argv], capsys)
+    assert line.startswith(f"shoal-engine: error: argument {argv[0]}: ")
 
 
 @pytest.mark.parametrize(

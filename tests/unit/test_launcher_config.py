@@ -189,7 +189,7 @@ def test_engine_stop_wait_covers_the_drain(tmp_path: Path) -> None:
     cfg = make_config(tmp_path, drain_timeout_s=20.0)
     parser = parse(supervisord_config(cfg))
     for section in engines(parser).values():
-        assert option(argv(section), "--drain-timeout") == "20.0"
+        assert option(argv(section), "--drain-timeout-s") == "20.0"
         assert int(section["stopwaitsecs"]) > cfg.drain_timeout_s
         assert section["stopsignal"] == "TERM"
 

@@ -24,15 +24,17 @@ MAX_LEN = {"main": 1024, "v2": 4096}
 
 
 def test_revision_reaches_the_config() -> None:
-    assert parse_args(["--model", "m=/models/m"]).revision is None
-    config = parse_args(["--model", f"m={REPO}", "--revision", "v2"])
+    assert parse_args(["--models", "m=/models/m"]).revision is None
+    config = parse_args(["--models", f"m={REPO}", "--revision", "v2"])
     assert config.revision == "v2"
     assert config.models == {"m": Path(REPO)}
 
 
-def test_an_empty_revision_is_refused() -> None:
-    with pytest.raises(ValueError, match="revision"):
-        parse_args(["--model", "m=/models/m", "--revision", ""])
+def test_an_empty_revision_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--models", "m=/models/m", "--revision", ""])
+    assert exited.value.code == 2
+    assert "argument --revision: " in capsys.readouterr().err
 
 
 def write_revision(snapshot: Path, max_len: int) -> None:

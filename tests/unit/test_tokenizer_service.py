@@ -27,7 +27,7 @@ LIMIT = 4_000_000
 async def stub() -> AsyncIterator[pb_grpc.TokenizerStub]:
     port = free_port()
     config = tokenizer_main.parse_args(
-        ["--model", f"smol={SMOL}", "--port", str(port), "--threads", "2", "--max-input-chars", str(LIMIT)]
+        ["--models", f"smol={SMOL}", "--port", str(port), "--threads", "2", "--max-input-chars", str(LIMIT)]
     )
     server, _ = await tokenizer_main.start_server(config, {"smol": load_model("smol", SMOL)})
     channel = grpc.aio.insecure_channel(
@@ -87,4 +87,4 @@ async def test_input_over_the_limit_is_refused_with_a_clear_reason(stub: pb_grpc
 
 def test_the_threads_default_to_the_cpus_this_process_may_use() -> None:
     assert 1 <= pod_cpus() <= len(os.sched_getaffinity(0))
-    assert tokenizer_main.parse_args(["--model", "m=/m"]).threads == pod_cpus()
+    assert tokenizer_main.parse_args(["--models", "m=/m"]).threads == pod_cpus()

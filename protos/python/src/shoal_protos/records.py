@@ -17,7 +17,6 @@ remove it from the index.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import os
 
@@ -203,15 +202,11 @@ LOCAL_REDIS_URL = "redis://127.0.0.1:6379/0"
 """The Redis a service uses when told of none."""
 
 
-def add_redis_url_option(parser: argparse.ArgumentParser) -> None:
-    """``--redis-url``, as engines and routers take it: from ``$REDIS_URL`` by default, where a
-    password belongs (every process on the node can read a command line)."""
-    parser.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL", LOCAL_REDIS_URL),
-        help=f"Redis URL (default: $REDIS_URL, else {LOCAL_REDIS_URL}); a password belongs in "
-        "the environment, not here: every process on the node can read a command line",
-    )
+def default_redis_url() -> str:
+    """The Redis URL engines and routers use unless ``--redis-url`` names one: ``$REDIS_URL``,
+    where a password belongs (every process on the node can read a command line), else
+    ``LOCAL_REDIS_URL``."""
+    return os.environ.get("REDIS_URL", LOCAL_REDIS_URL)
 
 
 def state_client(url: str, timeout_s: float) -> aioredis.Redis:

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import socket
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from shoal_protos.addresses import host_port, http_url, resolve_bind_host, tcp_url
-from shoal_protos.records import LOCAL_REDIS_URL
+from shoal_protos.records import default_redis_url
 
 LOOPBACK = "127.0.0.1"
 """Where the KV agent's control socket listens: every pod has this address, and only its own
 processes reach it."""
 
 
+def _default_engine_id(fields: dict[str, Any]) -> str:
+    return f"{socket.gethostname()}-{fields.get('zmq_port', '')}"
+
+
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    """Every setting is a flag of ``shoal-engine`` (``shoal_protos.settings_cli``), named after
+    its field: ``heartbeat_ttl_s`` is ``--heartbeat-ttl-s``."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     model: str
     """Folder of the Hugging Face model that vLLM loads."""
@@ -23,14 +31,12 @@ class EngineConfig(BaseModel):
     served_model_name: str
     """Name clients use in the OpenAI ``model`` field."""
 
-    engine_id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
-    """Unique id of this engine within its cluster (the pod name on Kubernetes)."""
-
     cluster: str = Field(default="default", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Cluster name: prefixes every Redis key, so clusters can share one Redis."""
 
-    redis_url: str = LOCAL_REDIS_URL
-    """Redis holding the fleet state."""
+    redis_url: str = Field(default_factory=default_redis_url)
+    """Redis holding the fleet state; by default ``$REDIS_URL``, else the local one. A password
+    belongs in the environment: every process on the node can read a command line."""
 
     redis_timeout_s: float = Field(default=1.0, gt=0.0)
     """Deadline of each Redis call: a call that hangs fails and the next heartbeat retries,
@@ -50,6 +56,10 @@ class EngineConfig(BaseModel):
 
     zmq_port: int = Field(default=5600, ge=1, le=65535)
     """Port of the PULL socket that takes ADD and ABORT frames from routers."""
+
+    engine_id: str = Field(default_factory=_default_engine_id, min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """Unique id of this engine within its cluster (the pod name on Kubernetes); by default
+    ``<hostname>-<zmq_port>``."""
 
     http_port: int = Field(default=8100, ge=1, le=65535)
     """Port of ``/health`` and ``/metrics``."""
@@ -85,11 +95,14 @@ class EngineConfig(BaseModel):
     from the ``HF_TOKEN`` environment variable, never from a flag."""
 
     vllm_args: tuple[str, ...] = ()
-    """The user's own vLLM engine flags, one word per item (``--vllm-args``, shell-split),
-    applied over vLLM's defaults after vLLM's own parser has checked them. Flags Shoal sets
-    itself (``shoal_protos.vllm_flags``) are refused. The ``sim`` backend ignores them."""
+    """The user's own vLLM engine flags, one word per item, applied over vLLM's defaults after
+    vLLM's own parser has checked them. On the command line one shell-quoted text per
+    ``--vllm-args``, written with ``=`` (a value that begins with ``--`` is otherwise read as a
+    flag): ``--vllm-args="--enable-chunked-prefill --kv-cache-dtype fp8"``; it may repeat, the
+    words add up. Flags Shoal sets itself (``shoal_protos.vllm_flags``) are refused. The ``sim``
+    backend ignores them."""
 
-    executor_backend: str | None = None
+    executor_backend: Literal["uni", "mp", "ray"] | None = None
     """vLLM's ``distributed_executor_backend``; None lets vLLM choose. On a single GPU ``uni``
     runs the model in the engine-core process (one process fewer to start); vLLM's CPU build
     always uses ``mp``, since OpenMP must be set up in a fresh worker process."""
@@ -134,7 +147,7 @@ class EngineConfig(BaseModel):
     holding a certificate of the fleet's CA. None: both plain, open to whoever reaches them."""
 
     backend: Literal["vllm", "sim"] = "vllm"
-    """vLLM, or ``sim``: a step-time model in its place (``sim_backend.py``), where ``model``
+    """vLLM, or ``sim``: a step-time model in its place (``shoal_sim.engine``), where ``model``
     names the step model."""
 
     sim_kv_blocks: int = Field(default=4096, ge=1)
@@ -148,7 +161,7 @@ class EngineConfig(BaseModel):
 
     sim_kv_gbps: float = Field(default=8.0, gt=0.0)
     """``sim`` with ``migration``: gigabytes per second a migration's KV moves (timed, no bytes
-    travel; ``kv.sim_agent``)."""
+    travel; ``shoal_sim.kv_agent``)."""
 
     sim_kv_bytes_per_token: int = Field(default=131_072, ge=1)
     """``sim``: KV cache bytes per token (LLaMA-3-8B in fp16 by default)."""
@@ -263,3 +276,12 @@ class EngineConfig(BaseModel):
     @property
     def control_bind(self) -> str:
         return host_port(self.listen_host, self.control_port)
+
+
+CLI_ALIASES: dict[str, str] = {
+    "--heartbeat-ttl": "heartbeat_ttl_s",
+    "--drain-timeout": "drain_timeout_s",
+    "--migration-step-timeout": "migration_step_timeout_s",
+}
+"""Flag spellings of earlier releases -> the field each sets: manifests written for them keep
+working."""

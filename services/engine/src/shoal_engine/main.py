@@ -8,9 +8,9 @@ are then aborted with a reason, the keys are removed, vLLM shuts down, and the p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -18,8 +18,8 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Annotated, Any
 
 import grpc
 import redis.asyncio as aioredis
@@ -29,17 +29,16 @@ import zmq
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from zmq.auth.thread import ThreadAuthenticator
 
 from shoal_engine import reaper
-from shoal_engine.backend import BackendDeadError, EngineBackend
-from shoal_engine.config import EngineConfig
+from shoal_engine.backend import BackendDeadError, BackendInfo, EngineBackend
+from shoal_engine.config import CLI_ALIASES, EngineConfig
 from shoal_engine.ipc.sockets import OutputSender, RequestReceiver
-from shoal_engine.kv.sim_agent import SimKvAgent
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration import EngineControlServicer, MigrationError, MigrationManager
 from shoal_engine.registry import EngineRegistration
 from shoal_engine.serving import EngineService
-from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_engine.vllm_args import VllmArgsError, split_vllm_args
 from shoal_protos import curve
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
@@ -51,186 +50,35 @@ from shoal_protos.records import (
     EngineState,
     Keys,
     LoadReport,
-    add_redis_url_option,
     state_client,
 )
+from shoal_protos.settings_cli import SettingsCli
 from shoal_protos.tasks import Supervisor
 from shoal_protos.tls import FleetTls, load_optional
+
+if TYPE_CHECKING:
+    from shoal_sim.kv_agent import SimKvAgent
 
 logger = logging.getLogger("shoal.engine")
 
 
+CLI = SettingsCli(
+    EngineConfig,
+    prog="shoal-engine",
+    description="Shoal engine: one vLLM engine behind ZeroMQ.",
+    aliases=CLI_ALIASES,
+)
+"""The engine's command line: one flag per ``EngineConfig`` field."""
+
+
 def parse_args(argv: list[str] | None = None) -> EngineConfig:
-    parser = argparse.ArgumentParser(
-        prog="shoal-engine", description="Shoal engine: one vLLM engine behind ZeroMQ."
-    )
-    parser.add_argument("--model", required=True, help="model folder (--backend sim: the step model)")
-    parser.add_argument(
-        "--backend",
-        default="vllm",
-        choices=["vllm", "sim"],
-        help="vllm, or sim: vLLM replaced by a step-time model (sim_backend.py) for fleet experiments",
-    )
-    parser.add_argument("--sim-kv-blocks", type=int, default=4096, help="sim: KV cache size in blocks")
-    parser.add_argument("--sim-speed", type=float, default=1.0, help="sim: step times divided by this")
-    parser.add_argument("--sim-seed", type=int, default=0, help="sim: seed of the generated tokens")
-    parser.add_argument("--sim-kv-gbps", type=float, default=8.0, help="sim: GB/s a migration's KV moves at")
-    parser.add_argument("--sim-kv-bytes-per-token", type=int, default=131_072, help="sim: KV bytes per token")
-    parser.add_argument("--served-model-name", required=True)
-    parser.add_argument("--engine-id", default=None, help="default: <hostname>-<zmq port>")
-    parser.add_argument("--cluster", default="default")
-    add_redis_url_option(parser)
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address peers are told to reach this engine at (its Redis record)",
-    )
-    parser.add_argument(
-        "--bind-host",
-        default=None,
-        help="address the ZeroMQ, HTTP, control and KV data sockets bind (default: --host); "
-        ":: listens on every IPv6 and IPv4 address, 0.0.0.0 on every IPv4 one (gRPC: every address). "
-        "The KV agent's control socket always binds --host",
-    )
-    parser.add_argument("--zmq-port", type=int, default=5600)
-    parser.add_argument("--http-port", type=int, default=8100)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument(
-        "--priority-headroom",
-        type=float,
-        default=0.25,
-        help="fraction of the KV cache counted as used per priority request (virtual usage)",
-    )
-    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument(
-        "--no-tcmalloc",
-        dest="tcmalloc",
-        action="store_false",
-        help="CPU build: keep glibc's allocator even where tcmalloc is installed",
-    )
-    parser.add_argument("--executor-backend", default=None, choices=["uni", "mp", "ray"])
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per layer (vLLM's TP)")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (vLLM's PP)")
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="share of GPU memory vLLM may use (default: vLLM's)",
-    )
-    parser.add_argument("--quantization", default=None, help="vLLM quantization method (default: none)")
-    parser.add_argument(
-        "--revision",
-        default=None,
-        help="Hub revision of the model and its tokenizer; a gated model's token comes from HF_TOKEN",
-    )
-    parser.add_argument(
-        "--vllm-args",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="your own vLLM engine flags as one shell-quoted string, checked by vLLM's own parser, "
-        'e.g. --vllm-args="--enable-chunked-prefill --kv-cache-dtype fp8" (write it with "=": '
-        "a value that begins with -- is otherwise read as a flag); may repeat, the words add up. "
-        "Flags Shoal sets itself (shoal_protos.vllm_flags) are refused; the sim backend ignores them",
-    )
-    parser.add_argument("--heartbeat-ttl", type=float, default=3.0)
-    parser.add_argument("--drain-timeout", type=float, default=30.0)
-    parser.add_argument("--migration", action="store_true", help="load the KV connector; serve EngineControl")
-    parser.add_argument("--control-port", type=int, default=5800, help="gRPC EngineControl port")
-    parser.add_argument("--kv-port", type=int, default=5900, help="KV agent data port (control: +1)")
-    parser.add_argument("--kv-transport", default="tcp", choices=["tcp", "gloo", "nccl"])
-    parser.add_argument("--kv-staging-mib", type=int, default=1024)
-    parser.add_argument(
-        "--kv-max-pairs", type=int, default=4, help="gloo/nccl pair groups kept open each way"
-    )
-    parser.add_argument(
-        "--kv-debug-reads", action="store_true", help="serve KV reads on the agent's control socket (tests)"
-    )
-    parser.add_argument("--block-size", type=int, default=None, help="KV block size in tokens")
-    parser.add_argument("--migration-max-stages", type=int, default=4)
-    parser.add_argument("--migration-last-stage-max-blocks", type=int, default=2)
-    parser.add_argument("--migration-step-timeout", type=float, default=10.0)
-    parser.add_argument(
-        "--migration-precopy-mib-per-s", type=int, default=0, help="pace pre-copy stages (0: unpaced)"
-    )
-    parser.add_argument(
-        "--migration-precopy-share",
-        type=float,
-        default=0.0,
-        help="pace pre-copy stages to send for at most this share of the time (0: unpaced)",
-    )
-    parser.add_argument(
-        "--no-migration-warm",
-        dest="migration_warm",
-        action="store_false",
-        help="load a moving request's whole KV at the commit, not its pre-copied blocks before the stop",
-    )
-    parser.add_argument(
-        "--zmq-curve-key-file",
-        help="the fleet's CURVE key file (encrypted frames, members only)",
-    )
-    parser.add_argument(
-        "--fleet-tls-dir",
-        help="the fleet's TLS folder (ca.crt, tls.crt, tls.key): EngineControl and KV data over mutual TLS",
-    )
-    args = parser.parse_args(argv)
+    values = CLI.values(argv)
     try:
-        vllm_args = split_vllm_args(args.vllm_args)
+        values["vllm_args"] = split_vllm_args(values.get("vllm_args", ()))
     except VllmArgsError as exc:
         # One line, without the usage: the message names the flag and what to use instead.
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    return EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        engine_id=args.engine_id or f"{socket.gethostname()}-{args.zmq_port}",
-        cluster=args.cluster,
-        redis_url=args.redis_url,
-        host=args.host,
-        bind_host=args.bind_host,
-        zmq_port=args.zmq_port,
-        http_port=args.http_port,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        priority_headroom=args.priority_headroom,
-        scheduling_policy=args.scheduling_policy,
-        dtype=args.dtype,
-        enforce_eager=args.enforce_eager,
-        tcmalloc=args.tcmalloc,
-        executor_backend=args.executor_backend,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        quantization=args.quantization,
-        revision=args.revision,
-        vllm_args=vllm_args,
-        heartbeat_ttl_s=args.heartbeat_ttl,
-        drain_timeout_s=args.drain_timeout,
-        migration=args.migration,
-        control_port=args.control_port,
-        kv_port=args.kv_port,
-        kv_transport=args.kv_transport,
-        kv_staging_mib=args.kv_staging_mib,
-        kv_max_pairs=args.kv_max_pairs,
-        kv_debug_reads=args.kv_debug_reads,
-        block_size=args.block_size,
-        migration_max_stages=args.migration_max_stages,
-        migration_last_stage_max_blocks=args.migration_last_stage_max_blocks,
-        migration_precopy_mib_per_s=args.migration_precopy_mib_per_s,
-        migration_precopy_share=args.migration_precopy_share,
-        migration_warm=args.migration_warm,
-        migration_step_timeout_s=args.migration_step_timeout,
-        zmq_curve_key_file=args.zmq_curve_key_file,
-        fleet_tls_dir=args.fleet_tls_dir,
-        backend=args.backend,
-        sim_kv_blocks=args.sim_kv_blocks,
-        sim_speed=args.sim_speed,
-        sim_seed=args.sim_seed,
-        sim_kv_gbps=args.sim_kv_gbps,
-        sim_kv_bytes_per_token=args.sim_kv_bytes_per_token,
-    )
+        CLI.fail(str(exc))
+    return CLI.settings(values)
 
 
 def _same_host(peer: str, own_address: str) -> bool:
@@ -263,41 +111,58 @@ def build_http_app(
     app = FastAPI(title="Shoal engine", docs_url=None, redoc_url=None)
 
     if migrations is not None:
+        _add_drain_route(app, migrations, drain_deadline_s, own_address)
+    _add_probes(app, service, backend)
 
-        @app.get("/drain")
-        async def drain_for_removal(
-            request: Request,
-            rejoin_after_s: Annotated[float, Query(ge=0, le=3600)] = 0.0,
-        ) -> Response:
-            """The pod's preStop hook: leave the rotation and move every running request to
-            other engines, answering once the engine is empty or the drain deadline passed.
-            SIGTERM follows and finds nothing left to move. ``rejoin_after_s`` > 0 serves again
-            after that long if no shutdown came.
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        # Shoal's series, then vLLM's own (its stat logger registers them, ``vllm:*``, in
+        # prometheus_client's default registry, with this process's CPU and memory).
+        body = generate_latest(metrics.registry) + generate_latest(REGISTRY)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-            Only callers inside the engine's own pod may drain it (the hook runs there and calls
-            the pod's own address); the port is open to the cluster for metrics, and anyone
-            else gets 403. Operators and other engines drain through the gRPC control API."""
-            peer = request.client.host if request.client else ""
-            if not _same_host(peer, own_address):
-                return JSONResponse(
-                    {
-                        "error": {
-                            "message": "only the engine's own pod may call /drain",
-                            "type": "permission_error",
-                            "code": "forbidden",
-                        }
-                    },
-                    status_code=403,
-                )
-            try:
-                result = await migrations.drain_for_removal(drain_deadline_s, rejoin_after_s)
-            except MigrationError as exc:
-                return JSONResponse(
-                    {"error": {"message": str(exc), "type": "conflict", "code": "cannot_drain"}},
-                    status_code=409,
-                )
-            return JSONResponse({"migrated": result.migrated, "remaining": result.remaining})
+    return app
 
+
+def _add_drain_route(
+    app: FastAPI, migrations: MigrationManager, drain_deadline_s: float, own_address: str
+) -> None:
+    @app.get("/drain")
+    async def drain_for_removal(
+        request: Request,
+        rejoin_after_s: Annotated[float, Query(ge=0, le=3600)] = 0.0,
+    ) -> Response:
+        """The pod's preStop hook: leave the rotation and move every running request to
+        other engines, answering once the engine is empty or the drain deadline passed.
+        SIGTERM follows and finds nothing left to move. ``rejoin_after_s`` > 0 serves again
+        after that long if no shutdown came.
+
+        Only callers inside the engine's own pod may drain it (the hook runs there and calls
+        the pod's own address); the port is open to the cluster for metrics, and anyone
+        else gets 403. Operators and other engines drain through the gRPC control API."""
+        peer = request.client.host if request.client else ""
+        if not _same_host(peer, own_address):
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "only the engine's own pod may call /drain",
+                        "type": "permission_error",
+                        "code": "forbidden",
+                    }
+                },
+                status_code=403,
+            )
+        try:
+            result = await migrations.drain_for_removal(drain_deadline_s, rejoin_after_s)
+        except MigrationError as exc:
+            return JSONResponse(
+                {"error": {"message": str(exc), "type": "conflict", "code": "cannot_drain"}},
+                status_code=409,
+            )
+        return JSONResponse({"migrated": result.migrated, "remaining": result.remaining})
+
+
+def _add_probes(app: FastAPI, service: EngineService, backend: EngineBackend) -> None:
     async def ready_state() -> Response:
         try:
             await backend.check_health()
@@ -329,15 +194,6 @@ def build_http_app(
         """200 while the engine takes requests; 503 while it drains or once its backend is dead."""
         return await ready_state()
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        # Shoal's series, then vLLM's own (its stat logger registers them, ``vllm:*``, in
-        # prometheus_client's default registry, with this process's CPU and memory).
-        body = generate_latest(metrics.registry) + generate_latest(REGISTRY)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
 
 def http_socket(config: EngineConfig) -> socket.socket:
     """The HTTP server's listening socket, made here rather than by uvicorn: asyncio makes a
@@ -359,24 +215,38 @@ def control_server(
     return control
 
 
-async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C901, PLR0915 (over budget)
-    loop = asyncio.get_running_loop()
-    metrics = EngineMetrics(config.engine_id, config.served_model_name)
-    fatal: asyncio.Future[BaseException] = loop.create_future()
+@dataclasses.dataclass
+class _Parts:
+    """What a running engine holds open, stopped in order by ``_close``."""
 
-    def on_fatal(exc: BaseException) -> None:
-        if not fatal.done():
-            fatal.set_result(exc)
+    ctx: zmq.Context[zmq.Socket[bytes]]
+    authenticator: ThreadAuthenticator | None
+    sender: OutputSender
+    receiver: RequestReceiver
+    service: EngineService
+    redis: aioredis.Redis
+    migrations: MigrationManager | None = None
+    control: grpc.aio.Server | None = None
 
-    # A bad key file fails here, before minutes of model loading.
-    curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
-    tls = load_optional(config.fleet_tls_dir)
+
+async def _load_model(config: EngineConfig, backend: EngineBackend, metrics: EngineMetrics) -> BackendInfo:
     logger.info("loading %s (%s backend)", config.model, config.backend)
     started = time.monotonic()
     info = await backend.start()
     metrics.kv_blocks_total.set(info.kv_blocks_total)
     logger.info("model loaded in %.1f s (max_model_len=%d)", time.monotonic() - started, info.max_model_len)
+    return info
 
+
+def _open_sockets(
+    config: EngineConfig,
+    backend: EngineBackend,
+    metrics: EngineMetrics,
+    curve_keys: curve.CurveKeys | None,
+    on_fatal: Callable[[BaseException], None],
+) -> _Parts:
+    """The request and output sockets, running, and the service between them."""
+    loop = asyncio.get_running_loop()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
     authenticator = curve.start_authenticator(ctx, curve_keys) if curve_keys is not None else None
 
@@ -385,16 +255,17 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C90
         with contextlib.suppress(RuntimeError):  # the loop closed: the engine is stopping anyway
             loop.call_soon_threadsafe(on_fatal, exc)
 
+    def router_lost_on_thread(reply_to: str) -> None:
+        loop.call_soon_threadsafe(service.router_lost, reply_to)
+
     sender = OutputSender(
         ctx,
         config.output_hwm,
-        on_router_lost=lambda reply_to: loop.call_soon_threadsafe(service.router_lost, reply_to),
+        on_router_lost=router_lost_on_thread,
         curve_keys=curve_keys,
         on_fatal=fatal_on_thread,
     )
     service = EngineService(config.engine_id, backend, sender.send, metrics, on_fatal)
-
-    zmq_address = config.zmq_address
 
     def on_request(message: AddRequest | AbortRequest) -> None:
         if isinstance(message, AddRequest):
@@ -404,7 +275,17 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C90
     receiver = RequestReceiver(ctx, config.zmq_bind, loop, on_request, curve_keys, on_fatal=fatal_on_thread)
     sender.start()
     receiver.start()
+    redis_client = state_client(config.redis_url, config.redis_timeout_s)
+    return _Parts(ctx, authenticator, sender, receiver, service, redis_client)
 
+
+def _load_reporter(
+    config: EngineConfig,
+    backend: EngineBackend,
+    service: EngineService,
+    metrics: EngineMetrics,
+    info: BackendInfo,
+) -> Callable[[int], LoadReport]:
     def make_report(seq: int) -> LoadReport:
         load = backend.load()
         # Our own count is exact; vLLM's split is as of its last step.
@@ -431,11 +312,14 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C90
             live=service.live_by_router(),
         )
 
-    redis_client = state_client(config.redis_url, config.redis_timeout_s)
-    record = EngineRecord(
+    return make_report
+
+
+def _engine_record(config: EngineConfig, info: BackendInfo) -> EngineRecord:
+    return EngineRecord(
         engine_id=config.engine_id,
         model=config.served_model_name,
-        zmq_address=zmq_address,
+        zmq_address=config.zmq_address,
         http_address=config.http_address,
         max_model_len=info.max_model_len,
         kv_blocks_total=info.kv_blocks_total,
@@ -448,69 +332,78 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C90
         control_address=config.control_address if config.migration else "",
         kv_address=config.kv_data_address if config.migration else "",
     )
-    keys = Keys(config.cluster)
-    migrations: MigrationManager | None = None
-    control: grpc.aio.Server | None = None
-    if config.migration:
-        migrations = MigrationManager(
-            config,
-            service,
-            lambda: max(info.kv_blocks_total - backend.load().kv_blocks_used, 0),
-            redis_client,
-            keys,
-            metrics,
-            tls,
-        )
-        control = control_server(config, migrations, tls)
-        await control.start()
-    http = _HttpServer(
-        uvicorn.Config(
-            build_http_app(service, backend, metrics, migrations, config.drain_timeout_s, config.host),
-            host=config.listen_host,
-            port=config.http_port,
-            log_level="warning",
-            lifespan="off",
-        )
-    )
-    # The HTTP server (probes, metrics, drain) and the warm-up loop run as long as the engine; one
-    # that ends stops the engine, as a dead backend or socket thread does.
-    supervisor = Supervisor(on_failure=lambda _, exc: on_fatal(exc))
-    http_task = supervisor.start(http.serve(sockets=[http_socket(config)]), "http")
-    registration = EngineRegistration(
-        redis_client,
+
+
+async def _start_migrations(
+    config: EngineConfig,
+    parts: _Parts,
+    backend: EngineBackend,
+    info: BackendInfo,
+    keys: Keys,
+    metrics: EngineMetrics,
+    tls: FleetTls | None,
+) -> None:
+    """``--migration``: the migration manager and its EngineControl server, started."""
+    service = parts.service
+    migrations = MigrationManager(
+        config,
+        service,
+        lambda: max(info.kv_blocks_total - backend.load().kv_blocks_used, 0),
+        parts.redis,
         keys,
-        record,
-        config.heartbeat_ttl_s,
-        config.load_report_interval_s,
-        make_report,
         metrics,
+        tls,
     )
-    await registration.register()
-    if migrations is not None:
+    control = control_server(config, migrations, tls)
+    await control.start()
+    parts.migrations, parts.control = migrations, control
 
-        async def set_draining(draining: bool) -> None:
-            service.set_draining(draining)
-            await registration.set_state(EngineState.DRAINING if draining else EngineState.ACTIVE)
 
-        migrations.set_draining = set_draining
-    logger.info("engine %s ready: zmq %s, http %s", config.engine_id, zmq_address, record.http_address)
-    warm_up = supervisor.start(migrations.warm_up_forever(), "kv-warm-up") if migrations else None
+def _http_server(
+    config: EngineConfig, parts: _Parts, backend: EngineBackend, metrics: EngineMetrics
+) -> _HttpServer:
+    app = build_http_app(
+        parts.service, backend, metrics, parts.migrations, config.drain_timeout_s, config.host
+    )
+    return _HttpServer(
+        uvicorn.Config(
+            app, host=config.listen_host, port=config.http_port, log_level="warning", lifespan="off"
+        )
+    )
 
+
+def _let_migrations_drain(
+    migrations: MigrationManager, parts: _Parts, registration: EngineRegistration
+) -> None:
+    async def set_draining(draining: bool) -> None:
+        parts.service.set_draining(draining)
+        await registration.set_state(EngineState.DRAINING if draining else EngineState.ACTIVE)
+
+    migrations.set_draining = set_draining
+
+
+async def _until_stopped(fatal: asyncio.Future[BaseException]) -> int:
+    """Wait for SIGTERM, SIGINT or a part's failure; the exit status: 1 after a failure."""
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     stop_task = asyncio.create_task(stop.wait())
-    await asyncio.wait([stop_task, fatal], return_when=asyncio.FIRST_COMPLETED)
-    supervisor.stopping = True
-    exit_code = 0
+    waiting: list[asyncio.Future[Any]] = [stop_task, fatal]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    stop_task.cancel()
     if fatal.done():
         logger.error("stopping: a part of the engine failed: %r", fatal.result())
-        exit_code = 1
-    else:
-        logger.info("stopping: marking DRAINING in Redis")
-    stop_task.cancel()
-    if warm_up is not None:
-        warm_up.cancel()
+        return 1
+    logger.info("stopping: marking DRAINING in Redis")
+    return 0
+
+
+async def _drain(
+    config: EngineConfig, parts: _Parts, registration: EngineRegistration, exit_code: int
+) -> None:
+    """Leave the rotation, then move or finish what runs (nothing after a failure)."""
+    migrations, service = parts.migrations, parts.service
     if migrations is not None:
         migrations.stop_rejoining()
     try:
@@ -527,17 +420,67 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:  # noqa: C90
     aborted = await service.drain(drain_s)
     if aborted:
         logger.warning("aborted %d requests still running at shutdown", aborted)
+
+
+async def _close(parts: _Parts, registration: EngineRegistration) -> None:
     await registration.unregister()
-    if control is not None:
-        await control.stop(grace=1.0)
+    if parts.control is not None:
+        await parts.control.stop(grace=1.0)
+    if parts.migrations is not None:
+        await parts.migrations.aclose()
+    await parts.redis.aclose()
+    parts.receiver.stop()
+    parts.sender.stop()
+    if parts.authenticator is not None:
+        parts.authenticator.stop()
+    parts.ctx.destroy(linger=0)  # the threads closed their sockets; never wait on a straggler
+
+
+async def run(config: EngineConfig, backend: EngineBackend) -> int:
+    loop = asyncio.get_running_loop()
+    metrics = EngineMetrics(config.engine_id, config.served_model_name)
+    fatal: asyncio.Future[BaseException] = loop.create_future()
+
+    def on_fatal(exc: BaseException) -> None:
+        if not fatal.done():
+            fatal.set_result(exc)
+
+    # A bad key file fails here, before minutes of model loading.
+    curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
+    tls = load_optional(config.fleet_tls_dir)
+    info = await _load_model(config, backend, metrics)
+    parts = _open_sockets(config, backend, metrics, curve_keys, on_fatal)
+    record = _engine_record(config, info)
+    keys = Keys(config.cluster)
+    if config.migration:
+        await _start_migrations(config, parts, backend, info, keys, metrics, tls)
+    http = _http_server(config, parts, backend, metrics)
+    # The HTTP server (probes, metrics, drain) and the warm-up loop run as long as the engine; one
+    # that ends stops the engine, as a dead backend or socket thread does.
+    supervisor = Supervisor(on_failure=lambda _, exc: on_fatal(exc))
+    http_task = supervisor.start(http.serve(sockets=[http_socket(config)]), "http")
+    registration = EngineRegistration(
+        parts.redis,
+        keys,
+        record,
+        config.heartbeat_ttl_s,
+        config.load_report_interval_s,
+        _load_reporter(config, backend, parts.service, metrics, info),
+        metrics,
+    )
+    await registration.register()
+    migrations = parts.migrations
     if migrations is not None:
-        await migrations.aclose()
-    await redis_client.aclose()
-    receiver.stop()
-    sender.stop()
-    if authenticator is not None:
-        authenticator.stop()
-    ctx.destroy(linger=0)  # the threads closed their sockets; never wait on a straggler
+        _let_migrations_drain(migrations, parts, registration)
+    logger.info("engine %s ready: zmq %s, http %s", config.engine_id, record.zmq_address, record.http_address)
+    warm_up = supervisor.start(migrations.warm_up_forever(), "kv-warm-up") if migrations else None
+
+    exit_code = await _until_stopped(fatal)
+    supervisor.stopping = True
+    if warm_up is not None:
+        warm_up.cancel()
+    await _drain(config, parts, registration, exit_code)
+    await _close(parts, registration)
     http.should_exit = True
     await http_task
     backend.shutdown()
@@ -551,30 +494,10 @@ def main(argv: list[str] | None = None) -> None:
     backend: EngineBackend
     agent: SimKvAgent | None = None
     if config.backend == "sim":
-        sim = SimConfig(
-            model=config.model,
-            kv_blocks=config.sim_kv_blocks,
-            block_size=config.block_size or 16,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len or 8192,
-            speed=config.sim_speed,
-            seed=config.sim_seed,
-            kv_bytes_per_token=config.sim_kv_bytes_per_token,
-            kv_gbps=config.sim_kv_gbps,
-        )
-        backend = simulated = SimulatedBackend(sim)
-        if config.migration:
-            # vLLM's worker runs the real KV agent; the simulated engine runs one that times
-            # the moves at the configured bandwidth (sped up as its steps are).
-            agent = SimKvAgent(
-                simulated,
-                config.kv_agent_address,
-                config.kv_data_bind,
-                sim.block_size,
-                sim.bytes_per_block,
-                sim.kv_gbps * 1e9 * sim.speed,
-            )
-            agent.start()
+        # The simulated engine is not part of the product: its package is imported only here.
+        from shoal_sim.engine import simulated_engine
+
+        backend, agent = simulated_engine(config)
     else:
         # vLLM is imported only here, so the rest of the package loads without it.
         from shoal_engine.vllm_backend import VllmBackend

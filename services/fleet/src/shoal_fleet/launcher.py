@@ -105,7 +105,7 @@ class FleetConfig:
     heartbeat_ttl_s: float = 3.0
     engine_silence_grace_s: float = 1.0
     """How long the router leaves the requests of an engine whose heartbeat lapsed where they are
-    (``--engine-silence-grace``)."""
+    (``--engine-silence-grace-s``)."""
     drain_timeout_s: float = 20.0
     enforce_eager: bool = True
     """Skip vLLM's graph compilation in the engines. On the CPU this starts each engine about
@@ -189,175 +189,168 @@ def write_curve_key(path: Path) -> Path:
 
 def supervisord_config(cfg: FleetConfig) -> str:
     """The supervisord configuration of the whole fleet."""
-    run, logs = cfg.run_dir, cfg.run_dir / "logs"
     redis_bin = shutil.which("redis-server")
     if redis_bin is None:
         raise FleetError(
             "redis-server is not installed (Debian package redis-server); `make setup` installs it"
         )
-    parts = [
-        "[supervisord]",
-        "nodaemon=true",
-        f"logfile={run / 'supervisord.log'}",
-        f"pidfile={run / 'supervisord.pid'}",
-        "loglevel=warn",
-        "",
-        "[unix_http_server]",
-        f"file={run / 'supervisor.sock'}",
-        "",
-        "[rpcinterface:supervisor]",
-        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
-        "",
-        "[supervisorctl]",
-        f"serverurl=unix://{run / 'supervisor.sock'}",
-        "",
-    ]
-    common_env = {"PYTHONUNBUFFERED": "1", **cfg.extra_env}
-    parts.append(
-        _program(
-            "redis",
-            [
-                redis_bin,
-                "--bind",
-                cfg.host,
-                "--port",
-                str(cfg.redis_port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            logs / "redis.log",
-            {},
-            cfg.restart,
-            10,
-            10,
-        )
-    )
-    parts.append(
-        _program(
-            "tokenizer",
-            [
-                cfg.python,
-                "-m",
-                "shoal_tokenizer.main",
-                "--model",
-                f"{cfg.served_model_name}={cfg.model_path}",
-                "--host",
-                cfg.host,
-                "--port",
-                str(cfg.tokenizer_port),
-            ],
-            logs / "tokenizer.log",
-            common_env,
-            cfg.restart,
-            10,
-            20,
-        )
-    )
     cores = os.cpu_count() or 1
-    for i in range(cfg.engines):
-        command = [
-            cfg.python,
-            "-m",
-            "shoal_engine.main",
-            "--model",
-            str(cfg.model_path),
-            "--served-model-name",
-            cfg.served_model_name,
-            "--engine-id",
-            cfg.engine_id(i),
-            "--cluster",
-            cfg.cluster,
-            "--redis-url",
-            cfg.redis_url,
-            "--host",
-            cfg.host,
-            "--zmq-port",
-            str(cfg.engine_zmq_base_port + i),
-            "--http-port",
-            str(cfg.engine_http_base_port + i),
-            "--heartbeat-ttl",
-            str(cfg.heartbeat_ttl_s),
-            "--drain-timeout",
-            str(cfg.drain_timeout_s),
-        ]
-        command += ["--dtype", cfg.dtype]
-        if cfg.enforce_eager:
-            command.append("--enforce-eager")
-        if cfg.migration:
-            command += [
-                "--migration",
-                "--control-port",
-                str(cfg.engine_control_base_port + i),
-                "--kv-port",
-                str(cfg.engine_kv_base_port + 2 * i),
-                "--block-size",
-                str(cfg.kv_block_size),
-                "--migration-step-timeout",
-                str(cfg.migration_step_timeout_s),
-                "--migration-precopy-mib-per-s",
-                str(cfg.migration_precopy_mib_per_s),
-                "--migration-precopy-share",
-                str(cfg.migration_precopy_share),
-            ]
-            if cfg.kv_debug_reads:
-                command.append("--kv-debug-reads")
-        if cfg.max_model_len:
-            command += ["--max-model-len", str(cfg.max_model_len)]
-        command += _curve_args(cfg) + _tls_args(cfg)
-        env = {
-            **common_env,
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": str(i % cores),
-        }
-        parts.append(
-            _program(
-                cfg.engine_id(i),
-                command,
-                logs / f"{cfg.engine_id(i)}.log",
-                env,
-                cfg.restart,
-                cfg.drain_timeout_s + 15,
-                30,
-                drains=True,
-            )
-        )
-    parts.append(
-        _program(
-            "router",
-            [
-                cfg.python,
-                "-m",
-                "shoal_router.main",
-                "--model",
-                cfg.served_model_name,
-                "--cluster",
-                cfg.cluster,
-                "--redis-url",
-                cfg.redis_url,
-                "--tokenizer",
-                host_port(cfg.host, cfg.tokenizer_port),
-                "--host",
-                cfg.host,
-                "--port",
-                str(cfg.router_port),
-                "--zmq-port",
-                str(cfg.router_zmq_port),
-                "--engine-silence-grace",
-                str(cfg.engine_silence_grace_s),
-                *_curve_args(cfg),
-                *_tls_args(cfg),
-            ],
-            logs / "router.log",
-            common_env,
-            cfg.restart,
-            10,
-            40,
-        )
-    )
+    parts = [
+        _supervisord_sections(cfg.run_dir),
+        _redis_program(cfg, redis_bin),
+        _tokenizer_program(cfg),
+        *(_engine_program(cfg, i, cores) for i in range(cfg.engines)),
+        _router_program(cfg),
+    ]
     return "\n".join(parts)
+
+
+def _supervisord_sections(run: Path) -> str:
+    """supervisord's own sections: itself, its control socket and ``supervisorctl``'s."""
+    return "\n".join(
+        [
+            "[supervisord]",
+            "nodaemon=true",
+            f"logfile={run / 'supervisord.log'}",
+            f"pidfile={run / 'supervisord.pid'}",
+            "loglevel=warn",
+            "",
+            "[unix_http_server]",
+            f"file={run / 'supervisor.sock'}",
+            "",
+            "[rpcinterface:supervisor]",
+            "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+            "",
+            "[supervisorctl]",
+            f"serverurl=unix://{run / 'supervisor.sock'}",
+            "",
+        ]
+    )
+
+
+def _common_env(cfg: FleetConfig) -> dict[str, str]:
+    return {"PYTHONUNBUFFERED": "1", **cfg.extra_env}
+
+
+def _redis_program(cfg: FleetConfig, redis_bin: str) -> str:
+    command = [
+        redis_bin,
+        "--bind",
+        cfg.host,
+        "--port",
+        str(cfg.redis_port),
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
+    return _program("redis", command, cfg.run_dir / "logs" / "redis.log", {}, cfg.restart, 10, 10)
+
+
+def tokenizer_command(cfg: FleetConfig) -> list[str]:
+    """The tokenizer's command line (its flags are ``TokenizerConfig``'s fields)."""
+    return [
+        *(cfg.python, "-m", "shoal_tokenizer.main"),
+        *("--models", f"{cfg.served_model_name}={cfg.model_path}"),
+        *("--host", cfg.host),
+        *("--port", str(cfg.tokenizer_port)),
+    ]
+
+
+def _tokenizer_program(cfg: FleetConfig) -> str:
+    return _program(
+        "tokenizer",
+        tokenizer_command(cfg),
+        cfg.run_dir / "logs" / "tokenizer.log",
+        _common_env(cfg),
+        cfg.restart,
+        10,
+        20,
+    )
+
+
+def engine_command(cfg: FleetConfig, index: int) -> list[str]:
+    """The command line of engine ``index`` (its flags are ``EngineConfig``'s fields)."""
+    command = [
+        *(cfg.python, "-m", "shoal_engine.main"),
+        *("--model", str(cfg.model_path)),
+        *("--served-model-name", cfg.served_model_name),
+        *("--engine-id", cfg.engine_id(index)),
+        *("--cluster", cfg.cluster),
+        *("--redis-url", cfg.redis_url),
+        *("--host", cfg.host),
+        *("--zmq-port", str(cfg.engine_zmq_base_port + index)),
+        *("--http-port", str(cfg.engine_http_base_port + index)),
+        *("--heartbeat-ttl-s", str(cfg.heartbeat_ttl_s)),
+        *("--drain-timeout-s", str(cfg.drain_timeout_s)),
+        *("--dtype", cfg.dtype),
+    ]
+    if cfg.enforce_eager:
+        command.append("--enforce-eager")
+    if cfg.migration:
+        command += [
+            "--migration",
+            *("--control-port", str(cfg.engine_control_base_port + index)),
+            *("--kv-port", str(cfg.engine_kv_base_port + 2 * index)),
+            *("--block-size", str(cfg.kv_block_size)),
+            *("--migration-step-timeout-s", str(cfg.migration_step_timeout_s)),
+            *("--migration-precopy-mib-per-s", str(cfg.migration_precopy_mib_per_s)),
+            *("--migration-precopy-share", str(cfg.migration_precopy_share)),
+        ]
+        if cfg.kv_debug_reads:
+            command.append("--kv-debug-reads")
+    if cfg.max_model_len:
+        command += ["--max-model-len", str(cfg.max_model_len)]
+    return command + _curve_args(cfg) + _tls_args(cfg)
+
+
+def _engine_program(cfg: FleetConfig, index: int, cores: int) -> str:
+    env = {
+        **_common_env(cfg),
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
+    }
+    name = cfg.engine_id(index)
+    return _program(
+        name,
+        engine_command(cfg, index),
+        cfg.run_dir / "logs" / f"{name}.log",
+        env,
+        cfg.restart,
+        cfg.drain_timeout_s + 15,
+        30,
+        drains=True,
+    )
+
+
+def router_command(cfg: FleetConfig) -> list[str]:
+    """The router's command line (its flags are ``RouterConfig``'s fields)."""
+    return [
+        *(cfg.python, "-m", "shoal_router.main"),
+        *("--models", cfg.served_model_name),
+        *("--cluster", cfg.cluster),
+        *("--redis-url", cfg.redis_url),
+        *("--tokenizer-address", host_port(cfg.host, cfg.tokenizer_port)),
+        *("--host", cfg.host),
+        *("--port", str(cfg.router_port)),
+        *("--zmq-port", str(cfg.router_zmq_port)),
+        *("--engine-silence-grace-s", str(cfg.engine_silence_grace_s)),
+        *_curve_args(cfg),
+        *_tls_args(cfg),
+    ]
+
+
+def _router_program(cfg: FleetConfig) -> str:
+    return _program(
+        "router",
+        router_command(cfg),
+        cfg.run_dir / "logs" / "router.log",
+        _common_env(cfg),
+        cfg.restart,
+        10,
+        40,
+    )
 
 
 class Fleet:

@@ -6,13 +6,16 @@ waits for every part, prints the URL and a ``curl`` line, and stops everything o
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from shoal_fleet.cpu import cpu_flags, native_dtype
 from shoal_fleet.launcher import Fleet, FleetConfig, FleetError, write_curve_key, write_fleet_tls
+from shoal_protos.settings_cli import SettingsCli
 
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
@@ -21,89 +24,115 @@ MODELS = {
 """Short names of the models ``make models`` builds: folder in the cache, served name."""
 
 
+class FleetOptions(BaseModel):
+    """``shoal-fleet``'s settings: each is a flag named after its field (``settings_cli``)."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
+
+    model: str = "smollm2"
+    """smollm2, tiny (the models ``make models`` builds), or a Hugging Face model folder."""
+
+    served_model_name: str | None = None
+    """Name clients use in the OpenAI ``model`` field; None: the model's."""
+
+    models_dir: Path = Path(".cache/models")
+    """Where ``make models`` builds smollm2 and tiny."""
+
+    engines: int = Field(default=2, ge=1)
+    """Number of engines."""
+
+    port: int = Field(default=8000, ge=1, le=65535)
+    """The router's HTTP port."""
+
+    redis_port: int = Field(default=6379, ge=1, le=65535)
+    """Port of the fleet's Redis."""
+
+    tokenizer_port: int = Field(default=50051, ge=1, le=65535)
+    """Port of the tokenizer's gRPC server."""
+
+    engine_base_port: int = Field(default=5600, ge=1, le=65535)
+    """Engine i takes ZeroMQ port BASE+i, gRPC control BASE+200+i, KV BASE+300+2i (and +1),
+    HTTP BASE+500+i."""
+
+    max_model_len: int = 2048
+    """Longest prompt plus output of the engines."""
+
+    kv_cache_gib: int = 1
+    """KV cache space per engine, GiB."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """Engine precision; None: bfloat16 where the CPU computes it natively, else float32
+    (float32 for the tiny model, whose small shapes take a bf16 CPU kernel that dies on some
+    AMX CPUs)."""
+
+    run_dir: Path = Path(".cache/run")
+    """Where the supervisord configuration, logs and fleet keys go."""
+
+    compile: bool = False
+    """Let vLLM compile the model graph (slower start; off by default on the CPU)."""
+
+    restart: bool = True
+    """Restart processes that die."""
+
+    zmq_curve: bool = False
+    """Encrypt router-engine ZeroMQ with CURVE (a fleet key is made in the run dir)."""
+
+    fleet_tls: bool = True
+    """Mutual TLS on EngineControl and the KV data links, with files made in the run dir (off:
+    plain)."""
+
+
+CLI = SettingsCli(
+    FleetOptions,
+    prog="shoal-fleet",
+    description=(__doc__ or "").replace("``", ""),
+)
+"""The launcher's command line: one flag per ``FleetOptions`` field."""
+
+
 def parse_args(argv: list[str] | None = None) -> FleetConfig:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--model", default="smollm2", help="smollm2, tiny, or a Hugging Face model folder (default: smollm2)"
-    )
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--models-dir", type=Path, default=Path(".cache/models"))
-    parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    parser.add_argument("--redis-port", type=int, default=6379)
-    parser.add_argument("--tokenizer-port", type=int, default=50051)
-    parser.add_argument(
-        "--engine-base-port",
-        type=int,
-        default=5600,
-        help="engine i takes ZeroMQ port BASE+i, gRPC control BASE+200+i, "
-        "KV BASE+300+2i (and +1), HTTP BASE+500+i",
-    )
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-cache-gib", type=int, default=1)
-    parser.add_argument(
-        "--dtype",
-        choices=["bfloat16", "float16", "float32"],
-        help="engine precision (default: bfloat16 where the CPU computes it natively, else "
-        "float32; float32 for the tiny model, whose small shapes take a bf16 CPU kernel that "
-        "dies on some AMX CPUs)",
-    )
-    parser.add_argument("--run-dir", type=Path, default=Path(".cache/run"))
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="let vLLM compile the model graph (slower start; off by default on the CPU)",
-    )
-    parser.add_argument("--no-restart", action="store_true", help="do not restart processes that die")
-    parser.add_argument(
-        "--zmq-curve",
-        action="store_true",
-        help="encrypt router-engine ZeroMQ with CURVE (a fleet key is made in the run dir)",
-    )
-    parser.add_argument(
-        "--no-fleet-tls",
-        dest="fleet_tls",
-        action="store_false",
-        help="plain EngineControl and KV data links (by default mutual TLS, with files made in the run dir)",
-    )
-    args = parser.parse_args(argv)
-    if args.model in MODELS:
-        folder, name = MODELS[args.model]
-        path = args.models_dir / folder
+    options = CLI.parse(argv)
+    if options.model in MODELS:
+        folder, name = MODELS[options.model]
+        path = options.models_dir / folder
     else:
-        path, name = Path(args.model), Path(args.model).name
+        path, name = Path(options.model), Path(options.model).name
     if not (path / "config.json").exists():
-        parser.error(f"no model at {path}; `make models` builds smollm2 and tiny")
-    if args.engines < 1:
-        parser.error("--engines must be at least 1")
-    if args.dtype:
-        dtype, why = args.dtype, "asked for"
-    elif args.model == "tiny":
+        CLI.fail(f"no model at {path}; `make models` builds smollm2 and tiny")
+    dtype: str
+    if options.dtype:
+        dtype, why = options.dtype, "asked for"
+    elif options.model == "tiny":
         dtype, why = "float32", "the tiny model's"
     else:
         dtype, why = native_dtype(cpu_flags())
     print(f"engine dtype: {dtype} ({why})", flush=True)
+    return fleet_config(options, path.resolve(), options.served_model_name or name, dtype)
+
+
+def fleet_config(options: FleetOptions, model_path: Path, served_model_name: str, dtype: str) -> FleetConfig:
+    """The fleet ``options`` ask for, its fleet key and TLS files written in its run folder."""
+    run_dir = options.run_dir.resolve()
+    base = options.engine_base_port
     return FleetConfig(
-        model_path=path.resolve(),
-        served_model_name=args.served_model_name or name,
-        run_dir=args.run_dir.resolve(),
-        engines=args.engines,
-        router_port=args.port,
-        redis_port=args.redis_port,
-        tokenizer_port=args.tokenizer_port,
-        engine_zmq_base_port=args.engine_base_port,
-        engine_http_base_port=args.engine_base_port + 500,
-        engine_control_base_port=args.engine_base_port + 200,
-        engine_kv_base_port=args.engine_base_port + 300,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
+        model_path=model_path,
+        served_model_name=served_model_name,
+        run_dir=run_dir,
+        engines=options.engines,
+        router_port=options.port,
+        redis_port=options.redis_port,
+        tokenizer_port=options.tokenizer_port,
+        engine_zmq_base_port=base,
+        engine_http_base_port=base + 500,
+        engine_control_base_port=base + 200,
+        engine_kv_base_port=base + 300,
+        max_model_len=options.max_model_len,
+        kv_cache_gib=options.kv_cache_gib,
         dtype=dtype,
-        restart=not args.no_restart,
-        zmq_curve_key_file=write_curve_key(args.run_dir.resolve() / "fleet.key") if args.zmq_curve else None,
-        fleet_tls_dir=write_fleet_tls(args.run_dir.resolve() / "fleet-tls") if args.fleet_tls else None,
-        enforce_eager=not args.compile,
+        restart=options.restart,
+        zmq_curve_key_file=write_curve_key(run_dir / "fleet.key") if options.zmq_curve else None,
+        fleet_tls_dir=write_fleet_tls(run_dir / "fleet-tls") if options.fleet_tls else None,
+        enforce_eager=not options.compile,
     )
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shoal_protos.addresses import resolve_bind_host, tcp_url
-from shoal_protos.records import LOCAL_REDIS_URL
+from shoal_protos.records import default_redis_url
 from shoal_router.core.scheduling import Scheduler
 
 
 class RouterConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    """Every setting is a flag of ``shoal-router`` (``shoal_protos.settings_cli``), named after
+    its field: ``max_inflight_requests`` is ``--max-inflight-requests``."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     models: list[str] = Field(default_factory=list)
     """Model names this router serves. Engines of other models found in Redis are served too;
@@ -22,8 +25,9 @@ class RouterConfig(BaseModel):
     router_id: str = Field(default="router-0", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     """Unique id of this router; prefixes its request ids."""
 
-    redis_url: str = LOCAL_REDIS_URL
-    """Redis holding the fleet state."""
+    redis_url: str = Field(default_factory=default_redis_url)
+    """Redis holding the fleet state; by default ``$REDIS_URL``, else the local one. A password
+    belongs in the environment: every process on the node can read a command line."""
 
     redis_timeout_s: float = Field(default=1.0, gt=0.0)
     """Deadline of each Redis call: a poll that hangs fails and the next poll retries."""
@@ -176,3 +180,22 @@ class RouterConfig(BaseModel):
                 f"({self.consolidate_below})"
             )
         return self
+
+
+CLI_ALIASES: dict[str, str] = {
+    "--model": "models",
+    "--tokenizer": "tokenizer_address",
+    "--max-inflight": "max_inflight_requests",
+    "--max-queued": "max_queued_requests",
+    "--queue-timeout": "queue_timeout_s",
+    "--max-attempts": "max_dispatch_attempts",
+    "--key-rpm": "key_requests_per_minute",
+    "--key-tpm": "key_tokens_per_minute",
+    "--hold-max": "hold_max_s",
+    "--balance-interval": "balance_interval_s",
+    "--balance-cooldown": "balance_cooldown_s",
+    "--redis-restart-grace": "redis_restart_grace_s",
+    "--engine-silence-grace": "engine_silence_grace_s",
+}
+"""Flag spellings of earlier releases -> the field each sets: manifests written for them keep
+working."""

@@ -1,4 +1,4 @@
-"""Entry point of one router: ``shoal-router --model NAME --port 8000 ...``.
+"""Entry point of one router: ``shoal-router --models NAME --port 8000 ...``.
 
 One asyncio loop runs everything: uvicorn's HTTP server, the task that drains the ZeroMQ PULL
 socket into per-request collectors, and the task that reads the fleet from Redis. To scale a
@@ -8,30 +8,33 @@ share the fleet's state through Redis.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import FrameType
 
+import redis.asyncio as aioredis
 import uvicorn
 import uvloop
 import zmq.asyncio
 from fastapi import FastAPI
+from zmq.auth.thread import ThreadAuthenticator
 
 from shoal_protos import curve
 from shoal_protos.addresses import bare_host, stream_socket
-from shoal_protos.records import Keys, add_redis_url_option, state_client
+from shoal_protos.records import Keys, state_client
+from shoal_protos.settings_cli import SettingsCli
 from shoal_protos.tasks import Supervisor
-from shoal_protos.tls import load_optional
+from shoal_protos.tls import FleetTls, load_optional
 from shoal_router.api.app import create_app, with_server_send
 from shoal_router.api.auth import KeyFile
 from shoal_router.api.serving import Generation
-from shoal_router.config import RouterConfig
+from shoal_router.config import CLI_ALIASES, RouterConfig
 from shoal_router.core.dispatch import EngineView
 from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.ratelimit import Limits, RateLimiter
@@ -53,141 +56,35 @@ EXIT_DEADLINE_S = 20.0
 fault handler writes every thread's stack to the log and ends the process (status 1)."""
 
 
+CLI = SettingsCli(
+    RouterConfig,
+    prog="shoal-router",
+    description="Shoal router: OpenAI-compatible API over a fleet of engines.",
+    aliases=CLI_ALIASES,
+)
+"""The router's command line: one flag per ``RouterConfig`` field."""
+
+
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
-    parser = argparse.ArgumentParser(
-        description="Shoal router: OpenAI-compatible API over a fleet of engines."
-    )
-    parser.add_argument("--model", action="append", default=[], help="served model name; repeatable")
-    parser.add_argument("--cluster", default="default")
-    parser.add_argument("--router-id", default="router-0")
-    add_redis_url_option(parser)
-    parser.add_argument("--tokenizer", default="127.0.0.1:50051", help="host:port of the tokenizer service")
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="address engines are told to send outputs to (ZeroMQ)"
-    )
-    parser.add_argument(
-        "--bind-host",
-        default=None,
-        help="address the HTTP and ZeroMQ sockets bind (default: --host); "
-        ":: listens on every IPv6 and IPv4 address, 0.0.0.0 on every IPv4 one",
-    )
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--zmq-port", type=int, default=5700)
-    parser.add_argument(
-        "--api-keys-file", help="keys (NAME SHA256_HEX per line) required as bearer tokens on /v1/*"
-    )
-    parser.add_argument("--admin-keys-file", help="keys required on /metrics and the fleet page")
-    parser.add_argument("--max-inflight", type=int, default=4096, help="requests running at once")
-    parser.add_argument("--max-queued", type=int, default=1024, help="requests waiting (more: 429)")
-    parser.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for a slot, seconds")
-    parser.add_argument(
-        "--max-attempts", type=int, default=3, help="engines one request may use (it goes on when one dies)"
-    )
-    parser.add_argument(
-        "--key-rpm", type=int, default=0, help="requests per minute per API key (0: none; rpm= in the file)"
-    )
-    parser.add_argument(
-        "--key-tpm", type=int, default=0, help="tokens per minute per API key (0: none; tpm= in the file)"
-    )
-    parser.add_argument(
-        "--zmq-curve-key-file", help="the fleet's CURVE key file (encrypted frames, members only)"
-    )
-    parser.add_argument(
-        "--fleet-tls-dir",
-        help="the fleet's TLS folder (ca.crt, tls.crt, tls.key), to call engines' EngineControl",
-    )
-    parser.add_argument(
-        "--scheduler",
-        default="least_load",
-        help="least_load, round_robin, prefix_affinity, session_affinity, or scorer weights "
-        "(prefix_affinity=2,least_load=1)",
-    )
-    parser.add_argument("--prefix-blocks", type=int, default=4, help="prompt blocks prefix affinity keys on")
-    parser.add_argument(
-        "--prefix-block-tokens", type=int, default=16, help="tokens per block of prefix affinity's hash"
-    )
-    parser.add_argument("--session-header", default="x-session-id", help="header session affinity keys on")
-    parser.add_argument(
-        "--hold-below",
-        type=float,
-        default=2.0,
-        help="KV blocks per batch slot under which a new request waits at the router for room",
-    )
-    parser.add_argument(
-        "--hold-max", type=float, default=1.0, help="longest wait for KV room, seconds (0: never hold)"
-    )
-    parser.add_argument(
-        "--balance", action="store_true", help="as the cluster's leader, move requests off crowded engines"
-    )
-    parser.add_argument("--balance-interval", type=float, default=1.0, help="seconds between checks")
-    parser.add_argument("--balance-threshold", type=float, default=0.1, help="freeness lead calling a move")
-    parser.add_argument("--balance-cooldown", type=float, default=5.0, help="seconds an engine rests after")
-    parser.add_argument(
-        "--consolidate-below",
-        type=float,
-        default=0.0,
-        help="with --balance: empty the least-loaded engine while the load over the rest stays below this",
-    )
-    parser.add_argument(
-        "--consolidate-release",
-        type=float,
-        default=0.7,
-        help="give an emptying engine back once the load over the rest passes this",
-    )
-    parser.add_argument(
-        "--redis-restart-grace",
-        type=float,
-        default=10.0,
-        help="seconds engines get to register again after Redis restarts empty",
-    )
-    parser.add_argument(
-        "--engine-silence-grace",
-        type=float,
-        default=1.0,
-        help="seconds an engine whose heartbeat lapsed keeps its requests before they go elsewhere",
-    )
-    args = parser.parse_args(argv)
-    return RouterConfig(
-        models=args.model,
-        cluster=args.cluster,
-        router_id=args.router_id,
-        redis_url=args.redis_url,
-        tokenizer_address=args.tokenizer,
-        host=args.host,
-        bind_host=args.bind_host,
-        port=args.port,
-        zmq_port=args.zmq_port,
-        api_keys_file=args.api_keys_file,
-        admin_keys_file=args.admin_keys_file,
-        max_inflight_requests=args.max_inflight,
-        max_queued_requests=args.max_queued,
-        queue_timeout_s=args.queue_timeout,
-        max_dispatch_attempts=args.max_attempts,
-        redis_restart_grace_s=args.redis_restart_grace,
-        engine_silence_grace_s=args.engine_silence_grace,
-        zmq_curve_key_file=args.zmq_curve_key_file,
-        fleet_tls_dir=args.fleet_tls_dir,
-        key_requests_per_minute=args.key_rpm,
-        key_tokens_per_minute=args.key_tpm,
-        scheduler=args.scheduler,
-        prefix_blocks=args.prefix_blocks,
-        prefix_block_tokens=args.prefix_block_tokens,
-        session_header=args.session_header,
-        hold_below=args.hold_below,
-        hold_max_s=args.hold_max,
-        balance=args.balance,
-        balance_interval_s=args.balance_interval,
-        balance_threshold=args.balance_threshold,
-        balance_cooldown_s=args.balance_cooldown,
-        consolidate_below=args.consolidate_below,
-        consolidate_release=args.consolidate_release,
-    )
+    return CLI.parse(argv)
 
 
-def build_app(config: RouterConfig) -> FastAPI:
-    """Build the app and its clients; call it on the loop that will serve it (gRPC and ZeroMQ
-    asyncio objects belong to the loop they were made on)."""
-    metrics = RouterMetrics()
+@dataclasses.dataclass(frozen=True)
+class _Clients:
+    """What the router holds open while it serves, closed in ``_close``."""
+
+    ctx: zmq.asyncio.Context
+    authenticator: ThreadAuthenticator | None
+    engines: EngineClient
+    fleet: FleetView
+    redis: aioredis.Redis
+    tokenizer: TokenizerClient
+    fleet_tls: FleetTls | None
+    metrics: RouterMetrics
+
+
+def _connect(config: RouterConfig, metrics: RouterMetrics) -> _Clients:
+    """The router's clients of engines, Redis and the tokenizer, not yet running."""
     ctx = zmq.asyncio.Context()
     curve_keys = curve.load(config.zmq_curve_key_file) if config.zmq_curve_key_file else None
     fleet_tls = load_optional(config.fleet_tls_dir)
@@ -228,12 +125,16 @@ def build_app(config: RouterConfig) -> FastAPI:
         reply_to=engines.reply_to,
     )
     tokenizer = TokenizerClient(config.tokenizer_address, config.tokenizer_timeout_s)
+    return _Clients(ctx, authenticator, engines, fleet, redis_client, tokenizer, fleet_tls, metrics)
+
+
+def _generation(config: RouterConfig, clients: _Clients) -> Generation:
     generation = Generation(
         config.router_id,
         config.models,
-        fleet,
-        engines,
-        metrics,
+        clients.fleet,
+        clients.engines,
+        clients.metrics,
         config.max_inflight_requests,
         config.max_dispatch_attempts,
         config.max_queued_requests,
@@ -242,42 +143,51 @@ def build_app(config: RouterConfig) -> FastAPI:
         config.session_header,
         HoldPolicy(config.hold_below, config.hold_max_s),
     )
-    fleet.after_poll.append(generation.release_held)
+    clients.fleet.after_poll.append(generation.release_held)
+    return generation
 
-    # The tasks that must run as long as the router: one that ends turns /livez to 503.
-    supervisor = Supervisor()
+
+def _rebalancer(config: RouterConfig, clients: _Clients) -> Rebalancer:
+    """The leader's balancing loop (``--balance``)."""
+    keys = Keys(config.cluster)
+
+    def engine_views() -> Iterable[EngineView]:
+        return clients.fleet.engines.values()
+
+    return Rebalancer(
+        Lease(clients.redis, keys.leader, config.router_id, config.leader_ttl_s),
+        engine_views,
+        clients.metrics,
+        BalancePolicy(
+            threshold=config.balance_threshold,
+            cooldown_s=config.balance_cooldown_s,
+            consolidate_below=config.consolidate_below,
+            consolidate_release=config.consolidate_release,
+        ),
+        config.balance_interval_s,
+        client=clients.redis,
+        keys=keys,
+        tls=clients.fleet_tls,
+    )
+
+
+def _lifespan(
+    config: RouterConfig, clients: _Clients, supervisor: Supervisor
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Runs the router's background tasks while the app serves, then closes its clients."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tasks = [
-            supervisor.start(engines.ingest_forever(), "zmq-ingest"),
-            supervisor.start(fleet.poll_forever(config.fleet_poll_interval_s), "fleet-poll"),
+            supervisor.start(clients.engines.ingest_forever(), "zmq-ingest"),
+            supervisor.start(clients.fleet.poll_forever(config.fleet_poll_interval_s), "fleet-poll"),
         ]
         if config.balance:
-
-            def engine_views() -> Iterable[EngineView]:
-                return fleet.engines.values()
-
-            rebalancer = Rebalancer(
-                Lease(redis_client, Keys(config.cluster).leader, config.router_id, config.leader_ttl_s),
-                engine_views,
-                metrics,
-                BalancePolicy(
-                    threshold=config.balance_threshold,
-                    cooldown_s=config.balance_cooldown_s,
-                    consolidate_below=config.consolidate_below,
-                    consolidate_release=config.consolidate_release,
-                ),
-                config.balance_interval_s,
-                client=redis_client,
-                keys=Keys(config.cluster),
-                tls=fleet_tls,
-            )
-            tasks.append(supervisor.start(rebalancer.run_forever(), "rebalance"))
+            tasks.append(supervisor.start(_rebalancer(config, clients).run_forever(), "rebalance"))
         logger.info(
             "router %s: outputs on %s, serving %s",
             config.router_id,
-            engines.reply_to,
+            clients.engines.reply_to,
             ", ".join(config.models) or "every model in the fleet",
         )
         try:
@@ -285,19 +195,32 @@ def build_app(config: RouterConfig) -> FastAPI:
         finally:
             supervisor.stopping = True
             await _stop_tasks(tasks)
-            await _bounded("the engine sockets", engines.aclose())
-            # destroy, not term: term would wait forever on any socket still open.
-            if authenticator is not None:
-                authenticator.stop()
-            ctx.destroy(linger=0)
-            await _bounded("the tokenizer channel", tokenizer.close())
-            await _bounded("the Redis client", redis_client.aclose())
+            await _close(clients)
 
+    return lifespan
+
+
+async def _close(clients: _Clients) -> None:
+    await _bounded("the engine sockets", clients.engines.aclose())
+    # destroy, not term: term would wait forever on any socket still open.
+    if clients.authenticator is not None:
+        clients.authenticator.stop()
+    clients.ctx.destroy(linger=0)
+    await _bounded("the tokenizer channel", clients.tokenizer.close())
+    await _bounded("the Redis client", clients.redis.aclose())
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    """Build the app and its clients; call it on the loop that will serve it (gRPC and ZeroMQ
+    asyncio objects belong to the loop they were made on)."""
+    clients = _connect(config, RouterMetrics())
+    # The tasks that must run as long as the router: one that ends turns /livez to 503.
+    supervisor = Supervisor()
     return create_app(
-        generation,
-        tokenizer,
+        _generation(config, clients),
+        clients.tokenizer,
         config.retry_after_s,
-        lifespan=lifespan,
+        lifespan=_lifespan(config, clients, supervisor),
         api_keys=KeyFile(config.api_keys_file) if config.api_keys_file else None,
         admin_keys=KeyFile(config.admin_keys_file) if config.admin_keys_file else None,
         rate_limiter=RateLimiter(Limits(config.key_requests_per_minute, config.key_tokens_per_minute)),

@@ -37,10 +37,14 @@ def _cgroup_quota() -> tuple[int, int]:
 
 
 class TokenizerConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    """Every setting is a flag of ``shoal-tokenizer`` (``shoal_protos.settings_cli``), named
+    after its field: ``max_input_chars`` is ``--max-input-chars``."""
+
+    model_config = ConfigDict(frozen=True, use_attribute_docstrings=True)
 
     models: dict[str, Path] = Field(min_length=1)
-    """Served model name -> folder holding its Hugging Face tokenizer files."""
+    """Served model name -> folder holding its Hugging Face tokenizer files, or a Hub repository
+    (on the command line ``NAME=PATH``; repeat the flag for several models)."""
 
     revision: str | None = Field(default=None, min_length=1)
     """Hugging Face revision (branch, tag or commit) of each model named by Hub repository; None:
@@ -76,3 +80,8 @@ class TokenizerConfig(BaseModel):
     def listen_host(self) -> str:
         """The address the gRPC server binds: ``bind_host``, else ``host``."""
         return resolve_bind_host(self.bind_host, self.host)
+
+
+CLI_ALIASES: dict[str, str] = {"--model": "models"}
+"""Flag spellings of earlier releases -> the field each sets: manifests written for them keep
+working."""

@@ -1,4 +1,4 @@
-"""Entry point: ``shoal-tokenizer --model NAME=PATH [--model ...] --port 50051``.
+"""Entry point: ``shoal-tokenizer --models NAME=PATH [--models ...] --port 50051``.
 
 Serves the ``Tokenizer`` service and the standard gRPC health service; the health status turns
 SERVING once every tokenizer is loaded and NOT_SERVING on SIGTERM, before the server stops.
@@ -6,12 +6,10 @@ SERVING once every tokenizer is loaded and NOT_SERVING on SIGTERM, before the se
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,7 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
 from shoal_protos.addresses import host_port
 from shoal_protos.grpc_errors import RefuseUndecodable
-from shoal_tokenizer.config import TokenizerConfig
+from shoal_protos.settings_cli import SettingsCli
+from shoal_tokenizer.config import CLI_ALIASES, TokenizerConfig
 from shoal_tokenizer.service import LoadedModel, TokenizerServicer, load_model
 
 logger = logging.getLogger("shoal.tokenizer")
@@ -27,62 +26,17 @@ logger = logging.getLogger("shoal.tokenizer")
 SERVICE_NAME = "shoal.tokenizer.v1.Tokenizer"
 
 
+CLI = SettingsCli(
+    TokenizerConfig,
+    prog="shoal-tokenizer",
+    description="Shoal tokenizer: the Tokenizer gRPC service, with the standard gRPC health service.",
+    aliases=CLI_ALIASES,
+)
+"""The tokenizer's command line: one flag per ``TokenizerConfig`` field."""
+
+
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument(
-        "--model",
-        action="append",
-        required=True,
-        metavar="NAME=PATH",
-        help="served model name and its tokenizer folder; repeat for several models",
-    )
-    parser.add_argument(
-        "--revision",
-        default=None,
-        help="Hub revision (branch, tag or commit) of every --model PATH that names a Hub repository; "
-        "a gated model's token comes from the HF_TOKEN environment variable",
-    )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="this pod's address (binds it without --bind-host)"
-    )
-    parser.add_argument(
-        "--bind-host",
-        default=None,
-        help="address the gRPC server binds (default: --host); "
-        ":: (or 0.0.0.0, which gRPC takes alike) listens on every IPv6 and IPv4 address",
-    )
-    parser.add_argument("--port", type=int, default=50051)
-    parser.add_argument(
-        "--threads", type=int, default=None, help="threads that tokenize (default: the CPUs this pod may use)"
-    )
-    parser.add_argument(
-        "--max-input-chars",
-        type=int,
-        default=None,
-        help="longest input tokenized, in characters; longer is refused (400 at the router; "
-        f"default {TokenizerConfig.model_fields['max_input_chars'].default:,})",
-    )
-    args = parser.parse_args(argv)
-    models: dict[str, Path] = {}
-    for item in args.model:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            parser.error(f"--model expects NAME=PATH, got {item!r}")
-        models[name] = Path(path)
-    # Left out when not given: the settings model holds the defaults.
-    given = {
-        name: value
-        for name, value in (("threads", args.threads), ("max_input_chars", args.max_input_chars))
-        if value is not None
-    }
-    return TokenizerConfig(
-        models=models,
-        revision=args.revision,
-        host=args.host,
-        bind_host=args.bind_host,
-        port=args.port,
-        **given,
-    )
+    return CLI.parse(argv)
 
 
 async def start_server(
