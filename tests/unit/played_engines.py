@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 import uvicorn
 import zmq
 import zmq.asyncio
+from starlette.middleware import Middleware
 
 from shoal_protos.messages import (
     PROTOCOL_VERSION,
@@ -27,7 +28,8 @@ from shoal_protos.messages import (
     RequestPiece,
 )
 from shoal_protos.records import EngineRecord, Keys
-from shoal_router.api.app import create_app, with_server_send
+from shoal_router.api.app import create_app
+from shoal_router.api.relay import with_server_send
 from shoal_router.api.serving import Generation
 from shoal_router.core.dispatch import EngineView
 from shoal_router.ipc.engines import EngineClient
@@ -120,9 +122,13 @@ async def played_fleet(
 
 
 @contextlib.asynccontextmanager
-async def served(generation: Generation) -> AsyncIterator[str]:
-    """The router's app over ``generation`` in a real uvicorn server on this loop; its URL."""
-    app = with_server_send(create_app(generation, TokenizerClient("127.0.0.1:1", 1.0), 1))
+async def served(generation: Generation, *middleware: Middleware) -> AsyncIterator[str]:
+    """The router's app over ``generation`` in a real uvicorn server on this loop, with
+    ``middleware`` added to it (the last outermost); its URL."""
+    router_app = create_app(generation, TokenizerClient("127.0.0.1:1", 1.0), 1)
+    for cls, args, kwargs in middleware:
+        router_app.add_middleware(cls, *args, **kwargs)
+    app = with_server_send(router_app)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

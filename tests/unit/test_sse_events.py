@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shoal_protos.messages import FinishReason
-from shoal_router.api.app import SseEvents
+from shoal_router.api.relay import SseEvents
 from shoal_router.core.outputs import RequestDelta
 
 TEXTS = [

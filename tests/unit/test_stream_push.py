@@ -1,4 +1,4 @@
-"""Stream events written by the ingest task (``_Pusher``) while the stream's own task waits.
+"""Stream events written by the ingest task (``Pusher``) while the stream's own task waits.
 
 Two levels: the pusher alone, with ASGI ``send`` functions played by the test (one that writes
 at once, one that waits for its client as uvicorn does when its buffer is full, one that
@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from shoal_protos.messages import FinishReason, RequestPiece
-from shoal_router.api.app import SseEvents, _Pusher
+from shoal_router.api.relay import Pusher, SseEvents
 from shoal_router.api.serving import Generation
 from shoal_router.core.outputs import RequestDelta, RequestOutputCollector
 from shoal_router.metrics import RouterMetrics
@@ -55,11 +55,11 @@ async def _reader(collector: RequestOutputCollector, got: list[RequestDelta]) ->
 
 async def _waiting_stream(
     handle: _Handle, send: Any, got: list[RequestDelta]
-) -> tuple[_Pusher, asyncio.Task[None]]:
+) -> tuple[Pusher, asyncio.Task[None]]:
     """A pusher over ``send`` lent to a stream whose reader (the task returned) waits for
     tokens, putting what it reads in ``got``."""
     events = SseEvents("cmpl-1", MODEL, chat=False, include_usage=False, prompt_token_ids=None)
-    pusher = _Pusher(handle, events, send, RouterMetrics().relay_delay)  # type: ignore[arg-type]
+    pusher = Pusher(handle, events, send, RouterMetrics().relay_delay)  # type: ignore[arg-type]
     reader = asyncio.create_task(_reader(handle.collector, got))
     await until(lambda: handle.collector._waiter is not None)
     pusher.resume()

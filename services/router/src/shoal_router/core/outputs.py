@@ -12,10 +12,10 @@ The reader (the HTTP handler) takes everything that arrived since its last read 
 slow client gets bigger chunks instead of an ever longer queue: the mailbox has one slot, as
 vLLM's ``RequestOutputCollector`` does.
 
-A streaming reader may also install ``push``: while it waits in ``get`` with nothing unread,
-pieces with tokens (neither the last nor an error) go to ``push`` from the ingest task instead
-of waking the reader's task. That is what most pieces of a stream are, and waking a task for
-each one cost the router more than writing it (``docs/benchmarks.md``, relay). With a ``ready``
+A streaming reader may also install ``push`` (the SSE relay's ``Pusher``, ``api.relay``): while
+it waits in ``get`` with nothing unread, pieces with tokens (neither the last nor an error) go to
+``push`` from the ingest task instead of waking the reader's task. That is what most pieces of a
+stream are, and waking a task for each one would be paid for every token relayed. With a ``ready``
 list (the ingest task's), such a piece waits in the mailbox and the collector joins the list;
 the ingest task calls ``flush`` once it has taken every batch that was waiting, so the pieces
 of several batches go out as one delta. ``push`` takes its delta whole; it removes itself

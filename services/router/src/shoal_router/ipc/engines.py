@@ -12,8 +12,9 @@ ownership generation says the request moved, and its owner becomes the engine th
 receives its ABORT), yielding to the loop every ``_CHUNK`` pieces so that a burst of large
 batches does not starve the HTTP handlers (``AsyncLLM``'s output handler does the same). It
 takes every batch already waiting on the socket (up to ``_DRAIN_PIECES`` pieces) before it
-flushes the collectors whose streams write as tokens come (``RequestOutputCollector.push``): a
-router that falls behind writes a stream's tokens of several engine steps as one event. Sends
+flushes the collectors whose streams write as tokens come (``RequestOutputCollector.push``, the
+SSE relay of ``api.relay``): a router that falls behind writes a stream's tokens of several engine
+steps as one event. Sends
 never block the loop: a full socket (``zmq.Again``) means the engine is not keeping up, and the
 request is answered 503 instead of being queued without bound.
 
