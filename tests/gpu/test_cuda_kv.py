@@ -374,7 +374,7 @@ def assert_staged(
     ``block_ids[i]``, layer by layer and byte for byte. Returns the blocks staged and how many of
     them sit in the arena."""
     with target._lock:
-        staged = target._staging[migration_id]
+        staged = target._data.staging[migration_id]
         chunks = sorted(staged.chunks.items())
         in_arena = sum(count for _, count in staged.runs)
     seen: list[int] = []
@@ -445,4 +445,4 @@ def test_blocks_arrive_byte_for_byte(
             )
     status = call(target.control, kv.AgentStatus())
     assert isinstance(status, kv.Status) and status.staged_bytes == 0 and not status.staging_areas, status
-    assert target.agent._arena.free_slots() == target.agent._arena.slots
+    assert target.agent._data.arena.free_slots() == target.agent._data.arena.slots

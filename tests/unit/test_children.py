@@ -12,6 +12,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from shoal_operator import children
 from shoal_operator.crd import ROOT
 from shoal_operator.spec import InferenceClusterSpec
@@ -91,7 +92,7 @@ def test_engines_follow_the_spec() -> None:
     (container,) = pod["containers"]
     args = container["args"]
     assert args[args.index("--engine-id") + 1] == "$(POD_NAME)"
-    assert args[args.index("--drain-timeout") + 1] == str(cluster.spec.drain.deadline_seconds)
+    assert args[args.index("--drain-timeout-s") + 1] == str(cluster.spec.drain.deadline_seconds)
     assert args[args.index("--cluster") + 1] == "serving.smol"
     assert "--migration" in args
     # The preStop hook drains by migration before SIGTERM, from inside the pod, on the engine's
@@ -296,7 +297,7 @@ def test_the_routers_scheduler_and_balancing_come_from_the_spec() -> None:
     plain = children.render(cluster_of(ROOT / "operator" / "samples" / "minimal.yaml"))
     args = one(plain, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--scheduler") + 1] == "least_load" and "--balance" not in args
-    assert args[args.index("--hold-max") + 1] == "1"
+    assert args[args.index("--hold-max-s") + 1] == "1"
     obj["spec"]["router"] = {
         "scheduler": "prefix_affinity=2,least_load=1",
         "balance": True,
@@ -307,7 +308,7 @@ def test_the_routers_scheduler_and_balancing_come_from_the_spec() -> None:
         "args"
     ]
     assert args[args.index("--scheduler") + 1] == "prefix_affinity=2,least_load=1" and "--balance" in args
-    assert args[args.index("--hold-max") + 1] == "0"
+    assert args[args.index("--hold-max-s") + 1] == "0"
     assert "--consolidate-below" not in args
     obj["spec"]["router"] = {"balance": True, "consolidateBelow": 0.4}
     cluster = children.Cluster("smol", "serving", UID, InferenceClusterSpec.model_validate(obj["spec"]))

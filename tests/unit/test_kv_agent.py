@@ -19,8 +19,9 @@ import pytest
 import torch
 import zmq
 
-from shoal_engine.kv.agent import MAX_SOURCES, KvAgent, Load, TableUpdate
+from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
 from shoal_engine.kv.connector import ShoalConnector, worker_addresses
+from shoal_engine.kv.data_server import MAX_SOURCES
 from shoal_engine.kv.transport import Transport, TransportError, check_backend, runs, write_message
 from shoal_protos import kv, tls
 from shoal_protos.messages import RequestPiece
@@ -311,7 +312,7 @@ def test_chunks_on_their_way_give_their_staging_back(tmp_path: Path, source: str
     pair = Pair(tmp_path, "gloo")
     sender = Transport("gloo", "127.0.0.1", torch.device("cpu"), 8 << 20, timeout_s=5)
     try:
-        arena = pair.target._arena
+        arena = pair.target._data.arena
         free = arena.free_slots()
         target = pair.addresses["td"]
         sender.connect(target)
@@ -464,16 +465,16 @@ def test_pair_groups_are_bounded_both_ways(tmp_path: Path) -> None:
     other = Transport("gloo", "127.0.0.1", torch.device("cpu"), 8 << 20, timeout_s=3, max_pairs=1)
     try:
         sender.connect(first_data)
-        _until(lambda: first._joined == 1, "the first target did not join")
+        _until(lambda: first._data._joined == 1, "the first target did not join")
         sender.connect(second_data)
         assert list(sender._groups) == [second_data]
-        _until(lambda: first._joined == 0, "the first target kept the group its source closed")
-        _until(lambda: second._joined == 1, "the second target did not join")
+        _until(lambda: first._data._joined == 0, "the first target kept the group its source closed")
+        _until(lambda: second._data._joined == 1, "the second target did not join")
         # The second target holds its one group: another source's join is refused, and that
         # source's set-up fails within its timeout instead of opening one more communicator.
         with pytest.raises(TransportError, match="no gloo group"):
             other.connect(second_data)
-        assert second._joined == 1 and other._groups == {}
+        assert second._data._joined == 1 and other._groups == {}
     finally:
         sender.close()
         other.close()

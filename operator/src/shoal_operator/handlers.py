@@ -72,14 +72,110 @@ async def _every(first_s: float, period_s: float, work: Callable[[], Awaitable[N
 
 
 @dataclass
-class _State:
+class _Operator:
+    """What the handlers share: the settings ``register`` was given, the API client, reconciler
+    and autoscaler made at login, and the periodic loops.
+
+    The handlers stay in ``register``, each a few lines over this: kopf names a handler by its
+    qualified name (``register.<locals>.cluster_changed``) and keeps that name in a cluster's
+    annotations while the handler is retried."""
+
+    login: Callable[[], kopf.ConnectionInfo] | None
+    drainer: Drainer | None
+    redis_url: Callable[[Cluster], Awaitable[str]] | None
+    service_monitors: bool
+    namespaces: Sequence[str] | None
     kube: Kube | None = None
     reconciler: Reconciler | None = None
     autoscaler: Autoscaler | None = None
     loops: list[asyncio.Task[None]] = field(default_factory=list)
 
+    def connect(self, **kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = (
+            self.login()
+            if self.login is not None
+            else (kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs))
+        )
+        if info is not None:
+            self.kube = Kube(info)
+            fleet = FleetRedis(self.kube, self.redis_url)
+            drainer = self.drainer or GrpcDrainer()
+            self.reconciler = Reconciler(self.kube, drainer, self.service_monitors, fleet)
+            self.autoscaler = Autoscaler(self.kube, fleet=fleet)
+        return info
 
-def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
+    def start_loops(self, resync_s: float, autoscale_s: float) -> None:
+        self.loops = [
+            asyncio.create_task(_every(resync_s, resync_s, self.resync), name="shoal-resync"),
+            asyncio.create_task(_every(autoscale_s, autoscale_s, self.autoscale), name="shoal-autoscale"),
+        ]
+
+    async def close(self) -> None:
+        for task in self.loops:
+            task.cancel()
+        await asyncio.gather(*self.loops, return_exceptions=True)
+        if self.autoscaler is not None:
+            await self.autoscaler.close()
+        if self.kube is not None:
+            await self.kube.close()
+
+    async def reconcile(
+        self, namespace: str | None, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> Outcome:
+        assert namespace is not None, "InferenceClusters and their children are namespaced"
+        if self.reconciler is None:
+            raise kopf.TemporaryError("not logged in to the API server yet", delay=RETRY_DELAY_S)
+        try:
+            outcome = await self.reconciler.reconcile(namespace, name)
+        except ApiError as exc:
+            raise kopf.TemporaryError(
+                f"reconcile of {namespace}/{name} failed: {exc}", delay=RETRY_DELAY_S
+            ) from exc
+        if outcome.created or outcome.patched:
+            logger.info(f"created {outcome.created or 'nothing'}, patched {outcome.patched or 'nothing'}")
+        return outcome
+
+    async def listed(self) -> list[Manifest]:
+        if self.kube is None:
+            return []
+        if self.namespaces is None:
+            return await self.kube.list(CLUSTER_API_VERSION, KIND, "", "")
+        return [c for ns in self.namespaces for c in await self.kube.list(CLUSTER_API_VERSION, KIND, ns, "")]
+
+    async def resync(self) -> None:
+        for body in await self.listed():
+            meta = body["metadata"]
+            try:
+                await self.reconcile(meta["namespace"], meta["name"], logger)
+            except kopf.TemporaryError as exc:
+                logger.warning("resync of %s/%s: %s", meta["namespace"], meta["name"], exc)
+
+    async def autoscale(self) -> None:
+        if self.autoscaler is None:
+            return
+        for body in await self.listed():
+            if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
+                continue
+            meta = body["metadata"]
+            try:
+                replicas = await self.autoscaler.step(body, time.time())
+            except (ApiError, RedisError, OSError) as exc:
+                logger.warning("cannot autoscale %s/%s: %s", meta["namespace"], meta["name"], exc)
+                continue
+            if replicas is not None:
+                logger.info(
+                    "%s/%s: autoscaling set the engines to %d", meta["namespace"], meta["name"], replicas
+                )
+
+
+def _configure(settings: kopf.OperatorSettings, scan_cluster: bool) -> None:
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="shoal.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="shoal.dev")
+    settings.posting.level = logging.WARNING
+    settings.scanning.disabled = not scan_cluster
+
+
+def register(
     registry: kopf.OperatorRegistry,
     login: Callable[[], kopf.ConnectionInfo] | None = None,
     resync_s: float = 60.0,
@@ -103,93 +199,23 @@ def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
     ``namespaces`` are the ones watched (None: every namespace), where the periodic loops list
     the clusters.
     """
-    state = _State()
+    operator = _Operator(login, drainer, redis_url, service_monitors, namespaces)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="shoal.dev")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="shoal.dev")
-        settings.posting.level = logging.WARNING
-        settings.scanning.disabled = not scan_cluster
+        _configure(settings, scan_cluster)
 
     @kopf.on.login(registry=registry)
     def connect(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info = (
-            login()
-            if login is not None
-            else (kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs))
-        )
-        if info is not None:
-            state.kube = Kube(info)
-            fleet = FleetRedis(state.kube, redis_url)
-            state.reconciler = Reconciler(state.kube, drainer or GrpcDrainer(), service_monitors, fleet)
-            state.autoscaler = Autoscaler(state.kube, fleet=fleet)
-        return info
+        return operator.connect(**kwargs)
 
     @kopf.on.startup(registry=registry)
     async def start_loops(**_: Any) -> None:
-        state.loops = [
-            asyncio.create_task(_every(resync_s, resync_s, resync), name="shoal-resync"),
-            asyncio.create_task(_every(autoscale_s, autoscale_s, autoscale), name="shoal-autoscale"),
-        ]
+        operator.start_loops(resync_s, autoscale_s)
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
-        for task in state.loops:
-            task.cancel()
-        await asyncio.gather(*state.loops, return_exceptions=True)
-        if state.autoscaler is not None:
-            await state.autoscaler.close()
-        if state.kube is not None:
-            await state.kube.close()
-
-    async def reconcile(
-        namespace: str | None, name: str, logger: logging.Logger | logging.LoggerAdapter[Any]
-    ) -> Outcome:
-        assert namespace is not None, "InferenceClusters and their children are namespaced"
-        if state.reconciler is None:
-            raise kopf.TemporaryError("not logged in to the API server yet", delay=RETRY_DELAY_S)
-        try:
-            outcome = await state.reconciler.reconcile(namespace, name)
-        except ApiError as exc:
-            raise kopf.TemporaryError(
-                f"reconcile of {namespace}/{name} failed: {exc}", delay=RETRY_DELAY_S
-            ) from exc
-        if outcome.created or outcome.patched:
-            logger.info(f"created {outcome.created or 'nothing'}, patched {outcome.patched or 'nothing'}")
-        return outcome
-
-    async def listed() -> list[Manifest]:
-        if state.kube is None:
-            return []
-        if namespaces is None:
-            return await state.kube.list(CLUSTER_API_VERSION, KIND, "", "")
-        return [c for ns in namespaces for c in await state.kube.list(CLUSTER_API_VERSION, KIND, ns, "")]
-
-    async def resync() -> None:
-        for body in await listed():
-            meta = body["metadata"]
-            try:
-                await reconcile(meta["namespace"], meta["name"], logger)
-            except kopf.TemporaryError as exc:
-                logger.warning("resync of %s/%s: %s", meta["namespace"], meta["name"], exc)
-
-    async def autoscale() -> None:
-        if state.autoscaler is None:
-            return
-        for body in await listed():
-            if not ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"):
-                continue
-            meta = body["metadata"]
-            try:
-                replicas = await state.autoscaler.step(body, time.time())
-            except (ApiError, RedisError, OSError) as exc:
-                logger.warning("cannot autoscale %s/%s: %s", meta["namespace"], meta["name"], exc)
-                continue
-            if replicas is not None:
-                logger.info(
-                    "%s/%s: autoscaling set the engines to %d", meta["namespace"], meta["name"], replicas
-                )
+        await operator.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
@@ -201,7 +227,7 @@ def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
         logger: logging.Logger | logging.LoggerAdapter[Any],
         **_: Any,
     ) -> None:
-        outcome = await reconcile(namespace, name, logger)
+        outcome = await operator.reconcile(namespace, name, logger)
         if outcome.invalid and outcome.status_written:
             kopf.warn(body, reason="InvalidSpec", message=outcome.invalid)
 
@@ -220,7 +246,7 @@ def register(  # noqa: C901, PLR0915 (over the complexity budget: to be split)
     ) -> None:
         owner = labels.get("app.kubernetes.io/instance")
         if owner and event.get("type") in ("MODIFIED", "DELETED"):
-            await reconcile(namespace, owner, logger)
+            await operator.reconcile(namespace, owner, logger)
 
     for api_version, plural in CHILD_RESOURCES:
         group, _, version = api_version.rpartition("/")

@@ -39,20 +39,12 @@ def _condition(kind: str, holds: bool | None, reason: str, message: str) -> dict
     return {"type": kind, "status": status, "reason": reason, "message": message}
 
 
-def compute(
-    cluster: Cluster,
-    generation: int,
-    engines: Manifest | None,
-    router: Manifest | None,
-    redis: Manifest | None,
-    previous: Manifest | None = None,
-    now: str | None = None,
-    engine_plan: EnginePlan | None = None,
-) -> Manifest:
-    """The status for ``cluster`` at ``generation`` given its live children (None: absent) and
-    the engine Deployment's last plan (during a rollout its pod count includes surge engines)."""
+def _component_conditions(
+    cluster: Cluster, engines: Manifest | None, router: Manifest | None, redis: Manifest | None
+) -> list[dict[str, str]]:
+    """``EnginesReady``, ``RouterReady`` and ``RedisReady``, from the workloads' ready counts."""
     spec = cluster.spec
-    wanted, ready, present = spec.engine.replicas, _ready_replicas(engines), _replicas(engines)
+    wanted, ready = spec.engine.replicas, _ready_replicas(engines)
     engines_ok = ready >= wanted
     conditions = [
         _condition(
@@ -87,10 +79,18 @@ def compute(
                 "RedisReady", None, "External", "an external Redis: its health is the engines' to report"
             )
         )
+    return conditions
+
+
+def _engine_change_conditions(
+    wanted: int, present: int, engine_plan: EnginePlan | None
+) -> list[dict[str, str]]:
+    """``Draining`` and ``Updating``: engine pods on their way out, a rollout under way."""
     kept = engine_plan.replicas if engine_plan is not None else wanted
     # In a rollout the extra pods are surge engines and old ones on their way out, not a drain.
     draining = present > kept and not (engine_plan is not None and engine_plan.updating)
-    conditions.append(
+    updating = engine_plan is not None and engine_plan.updating
+    return [
         _condition(
             "Draining",
             draining,
@@ -98,10 +98,7 @@ def compute(
             f"{present - kept} engine(s) migrating their requests away"
             if draining
             else "no engine is leaving",
-        )
-    )
-    updating = engine_plan is not None and engine_plan.updating
-    conditions.append(
+        ),
         _condition(
             "Updating",
             updating,
@@ -109,8 +106,25 @@ def compute(
             engine_plan.message
             if engine_plan is not None and updating
             else "engines run the current template",
-        )
-    )
+        ),
+    ]
+
+
+def compute(
+    cluster: Cluster,
+    generation: int,
+    engines: Manifest | None,
+    router: Manifest | None,
+    redis: Manifest | None,
+    previous: Manifest | None = None,
+    now: str | None = None,
+    engine_plan: EnginePlan | None = None,
+) -> Manifest:
+    """The status for ``cluster`` at ``generation`` given its live children (None: absent) and
+    the engine Deployment's last plan (during a rollout its pod count includes surge engines)."""
+    present = _replicas(engines)
+    conditions = _component_conditions(cluster, engines, router, redis)
+    conditions += _engine_change_conditions(cluster.spec.engine.replicas, present, engine_plan)
     blocking = [c for c in conditions[:3] if c["status"] == "False"]
     conditions.insert(
         0,
@@ -124,9 +138,9 @@ def compute(
     return {
         "observedGeneration": generation,
         "replicas": present,
-        "readyEngines": ready,
+        "readyEngines": _ready_replicas(engines),
         "selector": engine_selector(cluster),
-        "model": spec.model.served_name,
+        "model": cluster.spec.model.served_name,
         "ready": conditions[0]["status"],
         "conditions": stamp(conditions, generation, previous, now),
     }

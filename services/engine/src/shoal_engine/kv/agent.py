@@ -8,10 +8,10 @@ block ids and how many tokens of KV have been written. Two threads serve the res
   request's blocks, straight from the KV cache, to another engine's agent through the transport
   (``shoal_engine.kv.transport``); ``Connect`` opens that link ahead of time; ``Hold``,
   ``Release``, ``FreeStaging``, ``ReadBlocks``, ``ReadStaged``, ``AgentStatus``.
-* **data** (a stream socket for other agents, one thread per connected source): receives staged
-  chunks into the staging arena, keyed by migration id, until the request arrives and
-  ``inject`` copies them into the blocks vLLM gave it. A staging area nobody claims is freed
-  after ``staging_ttl_s``.
+* **data** (a stream socket for other agents, one thread per connected source;
+  ``shoal_engine.kv.data_server``): receives staged chunks into the staging arena, keyed by
+  migration id, until the request arrives and ``inject`` copies them into the blocks vLLM gave
+  it. A staging area nobody claims is freed after ``staging_ttl_s``.
 
 Full blocks never change once written, so they are read while the model keeps decoding; the
 engine step only ever writes a request's last, partial block, past the tokens already written.
@@ -25,49 +25,23 @@ fails) instead of delivering bytes that may have been overwritten.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
-import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 import zmq
 
-from shoal_engine.kv.staging import StagingArena
-from shoal_engine.kv.transport import (
-    KvTransport,
-    Receiver,
-    Transport,
-    host_of,
-    listen,
-    read_message,
-    runs,
-    write_message,
-)
+from shoal_engine.kv.data_server import DATA_IDLE_S, DataServer, Staged
+from shoal_engine.kv.transport import KvTransport, Transport, host_of, runs
 from shoal_protos import kv
 from shoal_protos.addresses import zmq_bind
 from shoal_protos.tls import FleetTls
 
 logger = logging.getLogger(__name__)
-
-# A chunk bigger than this (about 1 GiB for SmolLM2) is not a chunk a sane source sends.
-_MAX_CHUNK_BLOCKS = 2048
-# Chunks whose receives a peer's thread keeps posted at once over a process group (``gloo``,
-# ``nccl``) while their bytes arrive.
-_CHUNKS_IN_FLIGHT = 4
-
-
-MAX_SOURCES = 64
-"""Source agents' connections served at once, a thread each; more are closed as they come."""
-DATA_IDLE_S = 300.0
-"""A source's connection with no message for this long is closed (its source connects again
-for its next move): connections do not pile up from engines that left."""
 
 
 @dataclass(slots=True)
@@ -79,28 +53,6 @@ class _Table:
     stopped: bool = False
     # Bumped when vLLM preempts the request (its blocks are freed and may be reused at once).
     epoch: int = 0
-
-
-@dataclass(slots=True)
-class _Staged:
-    created: float
-    # first block index -> (number of blocks, per layer a uint8 tensor [blocks, bytes_per_layer_block])
-    chunks: dict[int, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
-    nbytes: int = 0
-    # Runs of the staging arena the chunks occupy: (first slot, slots).
-    runs: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Arriving:
-    """A chunk whose receives are posted over a process group and whose bytes are on the way."""
-
-    header: kv.StageHeader
-    # The staging arena's run it lands in (None: fresh tensors), and the tensors.
-    slot: int | None
-    into: list[torch.Tensor]
-    # Waits until the bytes are in (None until the receives are posted).
-    wait: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,35 +101,23 @@ class KvAgent:
         tests to compare (an engine serves them only when told, ``--kv-debug-reads``).
         ``tls``: the fleet's TLS, for the data connections both ways; None: plain."""
         self.block_size = block_size
-        self._tls = tls.server_context() if tls is not None else None
-        if self._tls is not None:
-            self._tls.num_tickets = 0  # connections live long and are never resumed
         self._debug_reads = debug_reads
-        self._idle_timeout_s = idle_timeout_s
-        self._layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
-        shapes = {tuple(t.shape) for t in self._layers}
-        if len(shapes) != 1:
-            raise ValueError(f"KV layers differ in shape ({shapes}); migration needs one layout")
+        self._layers = _kv_layers(kv_caches, num_blocks)
         self.num_layers = len(self._layers)
         self.bytes_per_layer_block = self._layers[0].shape[1]
         self.bytes_per_block = self.num_layers * self.bytes_per_layer_block
         self._chunk_blocks = max(1, chunk_bytes // self.bytes_per_block)
-        self._staging_ttl_s = staging_ttl_s
         self._lock = threading.Lock()
         self._tables: dict[str, _Table] = {}
-        self._staging: dict[str, _Staged] = {}
         self._load_errors: set[int] = set()
         # Requests to keep when they stop (request id -> hold deadline), and vLLM ids whose
         # held blocks may be freed now.
         self._holds: dict[str, float] = {}
         self._released: set[str] = set()
-        # Staging areas freed on purpose: chunks still in flight for them are dropped.
-        self._freed: dict[str, None] = {}
         # When each of the last forward passes ended (``time.monotonic``): a move reads the
         # source's pace from them, before it and while it ran.
         self._step_ends: deque[float] = deque(maxlen=kv.STEPS_KEPT)
         self._host = host or host_of(data_address)
-        self._timeout_s = timeout_s
         self._transport: KvTransport = Transport(
             transport,
             self._host,
@@ -187,27 +127,33 @@ class KvAgent:
             max_pairs,
             tls.client_context() if tls is not None else None,
         )
-        self._max_pairs = max_pairs
-        self._joined = 0  # pair groups sources hold with this agent
-        self._arena = StagingArena(
-            self.num_layers,
-            self.bytes_per_layer_block,
-            staging_bytes // self.bytes_per_block,
-            self._layers[0].device,
-        )
         self._stop = threading.Event()
         self._ctx = zmq.Context(io_threads=1)
         self._control = self._ctx.socket(zmq.REP)
         zmq_bind(self._control, control_address)
-        self._server = listen(data_address)
-        self._server.settimeout(0.2)
-        self._peers: set[socket.socket] = set()
-        self._refused = 0  # connections refused, the cap reached
-        self._threads = [
+        # The data side shares the lock: it guards the staging areas beside the tables.
+        self._data = DataServer(
+            data_address,
+            self._layers,
+            self._lock,
+            self._stop,
+            self._host,
+            staging_bytes,
+            staging_ttl_s,
+            timeout_s,
+            idle_timeout_s,
+            max_pairs,
+            tls.server_context() if tls is not None else None,
+        )
+        self._threads = self._start(control_address, data_address, transport)
+
+    def _start(self, control_address: str, data_address: str, transport: str) -> list[threading.Thread]:
+        """Start the control and data threads."""
+        threads = [
             threading.Thread(target=self._serve_control, name="shoal-kv-control", daemon=True),
-            threading.Thread(target=self._serve_data, name="shoal-kv-data", daemon=True),
+            threading.Thread(target=self._data.serve, name="shoal-kv-data", daemon=True),
         ]
-        for thread in self._threads:
+        for thread in threads:
             thread.start()
         logger.info(
             "KV agent: %d layers, %d bytes per block, control %s, data %s, transport %s",
@@ -217,6 +163,7 @@ class KvAgent:
             data_address,
             transport,
         )
+        return threads
 
     # ---- called by the connector on the worker's main thread ------------------------------
 
@@ -271,15 +218,15 @@ class KvAgent:
         started = time.perf_counter()
         if load.keep:
             with self._lock:
-                done, missing = self._inject(load, self._staging.get(load.migration_id))
+                done, missing = self._inject(load, self._data.staging.get(load.migration_id))
         else:
             with self._lock:
-                staged = self._staging.pop(load.migration_id, None)
+                staged = self._data.staging.pop(load.migration_id, None)
             try:
                 done, missing = self._inject(load, staged)
             finally:
                 if staged is not None:
-                    self._give_back(staged)
+                    self._data.give_back(staged)
         if missing:
             logger.warning(
                 "migration %s: %d of %d blocks were not staged; vLLM recomputes them",
@@ -297,7 +244,7 @@ class KvAgent:
         )
         return done
 
-    def _inject(self, load: Load, staged: _Staged | None) -> tuple[int, list[int]]:
+    def _inject(self, load: Load, staged: Staged | None) -> tuple[int, list[int]]:
         """Blocks copied, and the block ids of those with nothing staged."""
         wanted = range(load.first_block, load.first_block + len(load.block_ids))
         done: set[int] = set()
@@ -342,15 +289,15 @@ class KvAgent:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def free_staging(self, migration_id: str) -> None:
+        """Drop a migration's staging area, and any chunk of it still to come."""
+        self._data.free(migration_id)
+
     def close(self) -> None:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=2)
-        with self._lock:
-            peers = list(self._peers)
-        for conn in peers:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+        self._data.shutdown_peers()
         self._transport.close()
         self._ctx.destroy(linger=0)
 
@@ -412,23 +359,23 @@ class KvAgent:
             return kv.BlockBytes(first_block=command.first_block, num_blocks=len(ids), data=_host_bytes(data))
         if isinstance(command, kv.ReadStaged):
             with self._lock:
-                staged = self._staging.get(command.migration_id)
+                staged = self._data.staging.get(command.migration_id)
                 chunks = sorted(staged.chunks.items()) if staged else []
             if not chunks:
                 return kv.AgentError(message=f"nothing staged for {command.migration_id}")
             first = chunks[0][0]
             data = torch.cat([torch.stack(layers, dim=1) for _, (_, layers) in chunks])
             return kv.BlockBytes(first_block=first, num_blocks=data.shape[0], data=_host_bytes(data))
-        self._expire_staging()
+        self._data.expire()
         with self._lock:
             return kv.Status(
                 block_size=self.block_size,
                 num_layers=self.num_layers,
                 bytes_per_block=self.bytes_per_block,
-                staging_areas={m: len(s.chunks) for m, s in self._staging.items()},
-                staged_bytes=sum(s.nbytes for s in self._staging.values()),
+                staging_areas={m: len(s.chunks) for m, s in self._data.staging.items()},
+                staged_bytes=sum(s.nbytes for s in self._data.staging.values()),
                 tracked_requests=len(self._tables),
-                sources=len(self._peers),
+                sources=len(self._data.peers),
             )
 
     def _send_blocks(self, command: kv.SendBlocks) -> kv.AgentReply:
@@ -494,221 +441,6 @@ class KvAgent:
                     time.sleep(ahead)
         return sent, len(ids)
 
-    # ---- data threads -----------------------------------------------------------------------
-
-    def _serve_data(self) -> None:
-        """Accept source agents' connections, one thread each; expire unclaimed staging."""
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except TimeoutError:
-                self._expire_staging()
-                continue
-            except OSError:
-                break
-            with self._lock:
-                full = len(self._peers) >= MAX_SOURCES
-                if not full:
-                    self._peers.add(conn)
-            if full:
-                # A thread per connection: a flood of them is not moves (a fleet's moves into
-                # one engine run a few at a time), and must not cost a thread each.
-                self._refused += 1
-                if self._refused % 100 == 1:
-                    logger.warning(
-                        "KV agent: %d source connections open already: refused %d", MAX_SOURCES, self._refused
-                    )
-                conn.close()
-                continue
-            if conn.family != socket.AF_UNIX:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve_peer, args=(conn,), name="shoal-kv-peer", daemon=True).start()
-        self._server.close()
-
-    def _serve_peer(self, conn: socket.socket) -> None:
-        if self._tls is not None:
-            # The handshake runs here, on the connection's own thread: a source that stalls in
-            # it holds only its own slot.
-            raw = conn
-            raw.settimeout(self._timeout_s)
-            try:
-                conn = self._tls.wrap_socket(raw, server_side=True)
-            except (OSError, ssl.SSLError) as exc:
-                logger.warning("KV agent: refused a source connection: %s", exc)
-                with self._lock:
-                    self._peers.discard(raw)
-                raw.close()
-                return
-            with self._lock:  # the wrapped socket is the one to close on the way out
-                self._peers.discard(raw)
-                self._peers.add(conn)
-        receiver = Receiver(conn, self._host, self._layers[0].device, self._timeout_s)
-        # Chunks arriving over a process group, oldest first: while the newest says another
-        # follows (``more``), its header is read and its receives posted before the oldest is
-        # finished (waited for, staged, acked), up to ``_CHUNKS_IN_FLIGHT``, so the group's pipe
-        # does not drain between chunks. Over ``tcp`` a chunk is in when its receive returns and
-        # is acked at once.
-        arriving: deque[_Arriving] = deque()
-        try:
-            while not self._stop.is_set():
-                if arriving and (len(arriving) >= _CHUNKS_IN_FLIGHT or not arriving[-1].header.more):
-                    ack, in_step = self._finish_stage(arriving)
-                else:
-                    conn.settimeout(self._idle_timeout_s)  # idle until the next message
-                    try:
-                        raw = read_message(conn)
-                    except TimeoutError:
-                        logger.info(
-                            "KV agent: closed a source connection idle for %.0f s", self._idle_timeout_s
-                        )
-                        break
-                    conn.settimeout(self._timeout_s)
-                    message = kv.data_message_decoder.decode(raw)
-                    if isinstance(message, kv.PairJoin):
-                        self._join(receiver, message)
-                        continue
-                    started = self._start_stage(receiver, message, arriving)
-                    if started is None:
-                        continue  # on its way
-                    ack, in_step = started
-                write_message(conn, ack)
-                if not in_step:
-                    break
-        except EOFError:
-            pass  # the source closed its end between messages
-        except (OSError, RuntimeError, ValueError, msgspec.DecodeError) as exc:
-            if not self._stop.is_set():
-                logger.warning("KV agent: dropped a source connection: %s", exc)
-        finally:
-            # Chunks left here did not come in (the connection closes mid-transfer): the
-            # receives still posted go with the group, and only then are their arena runs free
-            # for other migrations (nothing can land in them after).
-            taken = [(left.slot, left.header.num_blocks) for left in arriving if left.slot is not None]
-            arriving.clear()
-            if receiver.joined:
-                with self._lock:
-                    self._joined -= 1
-            receiver.close()
-            for slot, count in taken:
-                self._arena.give_back(slot, count)
-            with self._lock:
-                self._peers.discard(conn)
-            conn.close()
-
-    def _join(self, receiver: Receiver, join: kv.PairJoin) -> None:
-        """Join a source's pair group, unless ``max_pairs`` are held already: the refusal closes
-        the connection, and the source's group set-up fails within its timeout."""
-        if receiver.joined:
-            raise ValueError("a second pair join on one connection")
-        with self._lock:
-            if self._joined >= self._max_pairs:
-                raise ValueError(f"{self._max_pairs} {join.backend} pair groups are open here already")
-            self._joined += 1
-        try:
-            receiver.join(join)
-        except BaseException:
-            with self._lock:
-                self._joined -= 1
-            raise
-
-    def _start_stage(
-        self, receiver: Receiver, header: kv.StageHeader, arriving: deque[_Arriving]
-    ) -> tuple[kv.StageAck, bool] | None:
-        """Start receiving one chunk into staging. Over a process group the chunk joins
-        ``arriving`` with its receives posted (None comes back); otherwise the ack, and whether
-        the connection is still in step (it is not once a chunk's bytes could not be read). A
-        chunk whose receive failed stays in ``arriving``: some of its receives may be posted, and
-        its arena run is given back once the group is gone."""
-        if header.bytes_per_block != self.bytes_per_block or not 0 < header.num_blocks <= _MAX_CHUNK_BLOCKS:
-            error = (
-                f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here"
-                if header.bytes_per_block != self.bytes_per_block
-                else f"a chunk of {header.num_blocks} blocks"
-            )
-            return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=error), False
-        # Into the arena when it has room; otherwise into fresh memory, on the host only: a GPU
-        # engine's staging is the arena alone, which its GPU budget counts.
-        count = header.num_blocks
-        slot = self._arena.take(count)
-        if slot is not None:
-            into = self._arena.views(slot, count)
-        elif self._layers[0].device.type != "cpu":
-            error = f"staging full: {count} blocks do not fit in the {self._arena.slots}-block arena"
-            return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=error), False
-        else:
-            shape = (count, self.bytes_per_layer_block)
-            into = [
-                torch.empty(shape, dtype=torch.uint8, device=self._layers[0].device) for _ in self._layers
-            ]
-        chunk = _Arriving(header, slot, into)
-        arriving.append(chunk)
-        try:
-            chunk.wait = receiver.receive(header, into)
-        except (OSError, RuntimeError, ConnectionError) as exc:
-            return _receive_failed(header, exc), False
-        if chunk.wait is not None:
-            return None
-        arriving.pop()  # in already
-        return self._staged(header, slot, into)
-
-    def _finish_stage(self, arriving: deque[_Arriving]) -> tuple[kv.StageAck, bool]:
-        """Wait for the oldest arriving chunk's bytes and stage it; the ack, and whether the
-        connection is in step. A chunk whose bytes did not come stays in ``arriving``."""
-        oldest = arriving[0]
-        assert oldest.wait is not None
-        try:
-            oldest.wait()
-        except (OSError, RuntimeError, ConnectionError) as exc:
-            return _receive_failed(oldest.header, exc), False
-        arriving.popleft()
-        return self._staged(oldest.header, oldest.slot, oldest.into)
-
-    def _staged(
-        self, header: kv.StageHeader, slot: int | None, into: list[torch.Tensor]
-    ) -> tuple[kv.StageAck, bool]:
-        """Keep a received chunk in its migration's staging area (or drop it, cancelled)."""
-        count = header.num_blocks
-        with self._lock:
-            cancelled = header.migration_id in self._freed
-            if not cancelled:
-                staged = self._staging.setdefault(header.migration_id, _Staged(time.monotonic()))
-                staged.chunks[header.first_block] = (count, into)
-                staged.nbytes += count * self.bytes_per_block
-                if slot is not None:
-                    staged.runs.append((slot, count))
-                total = sum(n for n, _ in staged.chunks.values())
-        if cancelled:
-            if slot is not None:
-                self._arena.give_back(slot, count)
-            return kv.StageAck(
-                migration_id=header.migration_id, staged_blocks=0, error="migration cancelled"
-            ), True
-        return kv.StageAck(migration_id=header.migration_id, staged_blocks=total), True
-
-    def free_staging(self, migration_id: str) -> None:
-        """Drop a migration's staging area, and any chunk of it still to come."""
-        with self._lock:
-            staged = self._staging.pop(migration_id, None)
-            self._freed[migration_id] = None
-            if len(self._freed) > 4096:
-                del self._freed[next(iter(self._freed))]
-        if staged is not None:
-            self._give_back(staged)
-
-    def _give_back(self, staged: _Staged) -> None:
-        for slot, count in staged.runs:
-            self._arena.give_back(slot, count)
-        staged.runs.clear()
-
-    def _expire_staging(self) -> None:
-        cutoff = time.monotonic() - self._staging_ttl_s
-        with self._lock:
-            stale = [m for m, s in self._staging.items() if s.created < cutoff]
-            for migration_id in stale:
-                self._give_back(self._staging.pop(migration_id))
-        for migration_id in stale:
-            logger.warning("freed staging of migration %s: its request never arrived", migration_id)
-
 
 def _host_bytes(data: torch.Tensor) -> bytes:
     """A tensor's bytes, copied from the GPU first when it lives there (``.numpy()`` refuses a
@@ -716,8 +448,13 @@ def _host_bytes(data: torch.Tensor) -> bytes:
     return data.contiguous().cpu().numpy().tobytes()
 
 
-def _receive_failed(header: kv.StageHeader, exc: Exception) -> kv.StageAck:
-    return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=f"receive failed: {exc}")
+def _kv_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
+    """Every layer's KV cache as ``[num_blocks, bytes per block]`` uint8, one layout for all."""
+    layers = [_blocks_first(name, t, num_blocks) for name, t in kv_caches.items()]
+    shapes = {tuple(t.shape) for t in layers}
+    if len(shapes) != 1:
+        raise ValueError(f"KV layers differ in shape ({shapes}); migration needs one layout")
+    return layers
 
 
 def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
