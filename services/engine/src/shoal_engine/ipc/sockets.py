@@ -36,6 +36,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import msgspec
 import zmq
@@ -260,7 +261,7 @@ class OutputSender:
             sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
-            if not sock.get(zmq.EVENTS) & zmq.POLLOUT:
+            if not cast(int, sock.get(zmq.EVENTS)) & zmq.POLLOUT:
                 return False
         try:
             sock.send_multipart(frames, zmq.NOBLOCK, copy=False)

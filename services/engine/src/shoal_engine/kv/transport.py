@@ -197,7 +197,7 @@ def read_message(sock: socket.socket) -> bytes:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.numpy()).cast("B")
+    return tensor.numpy().data.cast("B")
 
 
 def _process_group(
@@ -205,14 +205,16 @@ def _process_group(
 ) -> dist.ProcessGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        # The options type is private in PyTorch's stubs, public in its bindings.
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         # Gloo listens on the address the agent serves on (not whatever the hostname resolves to).
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        return dist.ProcessGroupGloo(store, rank, 2, options)
+        # A backend used as a group of its own (send/recv): PyTorch's stubs type it apart.
+        return dist.ProcessGroupGloo(store, rank, 2, options)  # type: ignore[return-value]
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, 2, options)
+    return dist.ProcessGroupNCCL(store, rank, 2, options)  # type: ignore[return-value]
 
 
 def _wait_all(works: list[dist.Work], device: torch.device, timeout_s: float) -> None:
