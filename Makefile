@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MODELS_DIR := .cache/models
 SETUP_STAMP := $(VENV)/.shoal-setup
-PACKAGES := protos/python services/tokenizer services/engine services/router services/fleet operator
+PACKAGES := protos/python services/tokenizer services/engine services/router services/fleet services/sim operator
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 MODEL_STAMPS := $(MODELS_DIR)/SmolLM2-135M-Instruct/.shoal-complete $(MODELS_DIR)/tiny-llama/.shoal-complete
 PYTEST_ARGS ?=
@@ -80,8 +80,8 @@ system-packages: ## Install Debian's redis-server, prometheus, chromium and tcma
 .PHONY: models
 models: $(MODEL_STAMPS) ## Build SmolLM2-135M-Instruct and the tiny test model into .cache/models
 
-$(MODEL_STAMPS) &: services/engine/src/shoal_engine/models.py | $(SETUP_STAMP)
-	$(PY) -m shoal_engine.models --cache-dir $(MODELS_DIR)
+$(MODEL_STAMPS) &: services/fleet/src/shoal_fleet/models.py | $(SETUP_STAMP)
+	$(PY) -m shoal_fleet.models --cache-dir $(MODELS_DIR)
 	touch $(MODEL_STAMPS)
 
 .PHONY: crd
@@ -106,7 +106,7 @@ lint: setup ## ruff lint (complexity budget included) and format check, mypy, Do
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --config-file= --python-version 3.11 --ignore-missing-imports --exclude '_pb2_grpc\.py$$' \
 		services/router/src/shoal_router services/tokenizer/src/shoal_tokenizer services/fleet/src/shoal_fleet \
-		operator/src/shoal_operator
+		services/engine/src/shoal_engine services/sim/src/shoal_sim operator/src/shoal_operator
 	$(VENV)/bin/hadolint docker/*.Dockerfile
 	$(MAKE) --no-print-directory protos-check
 
@@ -117,51 +117,51 @@ format: setup ## Format the code with ruff
 
 .PHONY: bench
 bench: setup models ## Fleet vs vLLM's own OpenAI server, same load; writes docs/benchmarks.md
-	$(PY) bench/serving.py $(BENCH_ARGS)
+	$(PY) -m bench.serving $(BENCH_ARGS)
 
 .PHONY: bench-operator
 bench-operator: setup ## Operator reconcile cost against kmock (API calls, writes, time); writes docs/benchmarks.md
-	$(PY) bench/operator_reconcile.py $(BENCH_ARGS)
+	$(PY) -m bench.operator_reconcile $(BENCH_ARGS)
 
 .PHONY: bench-dispatch
 bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 256 engines; writes docs/benchmarks.md
-	$(PY) bench/dispatch.py $(BENCH_ARGS)
+	$(PY) -m bench.dispatch $(BENCH_ARGS)
 
 .PHONY: bench-fleet
 bench-fleet: setup ## Round-robin vs least-load, migration and holding on 16 to 256 simulated engines; writes docs/benchmarks.md
-	$(PY) bench/fleet.py $(BENCH_ARGS)
+	$(PY) -m bench.fleet $(BENCH_ARGS)
 
 .PHONY: bench-consolidate
 bench-consolidate: setup ## Engines freed by consolidation and its latency cost, on simulated engines; writes docs/benchmarks.md
-	$(PY) bench/consolidate.py $(BENCH_ARGS)
+	$(PY) -m bench.consolidate $(BENCH_ARGS)
 
 .PHONY: bench-priority
 bench-priority: setup ## Decode latency of priority requests with and without KV headroom, on simulated engines; writes docs/benchmarks.md
-	$(PY) bench/priority.py $(BENCH_ARGS)
+	$(PY) -m bench.priority $(BENCH_ARGS)
 
 .PHONY: bench-relay
 bench-relay: setup ## Tokens/s and router CPU per token through one and two routers (simulated engines); writes docs/benchmarks.md
-	$(PY) bench/relay.py $(BENCH_ARGS)
+	$(PY) -m bench.relay $(BENCH_ARGS)
 
 .PHONY: bench-requests
 bench-requests: setup ## Short requests per second through one router, its CPU per request, beside the Rust vllm-router (simulated engines); writes docs/benchmarks.md
-	$(PY) bench/request_rate.py $(BENCH_ARGS)
+	$(PY) -m bench.request_rate $(BENCH_ARGS)
 
 .PHONY: bench-migration
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
-	$(PY) bench/migration.py $(BENCH_ARGS)
+	$(PY) -m bench.migration $(BENCH_ARGS)
 
 .PHONY: bench-allocator
 bench-allocator: setup models ## CPU engine steps with glibc's allocator vs tcmalloc, side by side; writes docs/benchmarks.md
-	$(PY) bench/allocator.py $(BENCH_ARGS)
+	$(PY) -m bench.allocator $(BENCH_ARGS)
 
 .PHONY: bench-readmission
 bench-readmission: setup models ## How fast vLLM continues a context it holds: re-admission vs a streaming-input second chunk (prints a table)
-	$(PY) bench/readmission.py $(BENCH_ARGS)
+	$(PY) -m bench.readmission $(BENCH_ARGS)
 
 .PHONY: bench-chaos
 bench-chaos: setup models ## Streams under engine kills, a Redis restart and a drain; writes docs/reliability.md
-	$(PY) bench/chaos.py $(BENCH_ARGS)
+	$(PY) -m bench.chaos $(BENCH_ARGS)
 
 IMAGE_TAG ?= 0.1.0
 IMAGES := engine engine-cpu router tokenizer operator

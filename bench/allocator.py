@@ -13,7 +13,8 @@ prefix cache ('cached re-admission': the time to its first token, what a request
 migration pays). Medians over all rounds and repeats.
 
 Results go between ``<!-- allocator:begin -->`` and ``<!-- allocator:end -->`` of
-``docs/benchmarks.md``, the plot to ``docs/img/allocator.png``.
+``docs/benchmarks.md``, the plot to ``docs/img/allocator.png``. Run it with ``python -m bench.allocator``
+(``make bench-allocator``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from report import ROOT, publish
+from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, save_plot, say, stamp, table
 
 BEGIN, END = "<!-- allocator:begin -->", "<!-- allocator:end -->"
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -41,10 +42,6 @@ METRICS = {
     "step_ms": "decode step",
     "readmit_ms": "cached re-admission",
 }
-
-
-def say(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
 # ---- one round, in a process of its own --------------------------------------------------------
@@ -122,64 +119,60 @@ def run_round(tcmalloc: bool, args: argparse.Namespace, seed: int) -> list[dict[
     }
     env.pop("LD_PRELOAD", None)
     command = [
-        sys.executable, __file__, "--round", "tcmalloc" if tcmalloc else "glibc",
+        sys.executable, "-m", "bench.allocator", "--round", "tcmalloc" if tcmalloc else "glibc",
         "--contexts", *map(str, args.contexts), "--repeats", str(args.repeats),
         "--tokens", str(args.tokens), "--seed", str(seed),
     ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False, timeout=1800)
+    done = subprocess.run(
+        command, env=env, cwd=ROOT, capture_output=True, text=True, check=False, timeout=1800
+    )
     if done.returncode != 0:
         raise RuntimeError(f"round failed ({done.returncode}): {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def summarise(rounds: dict[str, list[dict[str, Any]]], contexts: list[int]) -> list[dict[str, Any]]:
-    table = []
+    medians = []
     for context in contexts:
         row: dict[str, Any] = {"context": context}
         for allocator in ALLOCATORS:
             samples = [r for r in rounds[allocator] if r["context"] == context]
             for metric in METRICS:
                 row[f"{allocator}_{metric}"] = statistics.median(r[metric] for r in samples)
-        table.append(row)
-    return table
+        medians.append(row)
+    return medians
 
 
-def plot(table: list[dict[str, Any]]) -> None:
+def plot(medians: list[dict[str, Any]]) -> None:
     """tcmalloc's change against glibc, per context and measure (negative: faster)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.8))
     width = 0.8 / len(METRICS)
     for k, (metric, title) in enumerate(METRICS.items()):
-        xs = [i + (k - (len(METRICS) - 1) / 2) * width for i in range(len(table))]
-        changes = [(row[f"tcmalloc_{metric}"] / row[f"glibc_{metric}"] - 1) * 100 for row in table]
+        xs = [i + (k - (len(METRICS) - 1) / 2) * width for i in range(len(medians))]
+        changes = [(row[f"tcmalloc_{metric}"] / row[f"glibc_{metric}"] - 1) * 100 for row in medians]
         ax.bar(xs, changes, width, label=title)
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(table)), [str(row["context"]) for row in table])
+    ax.set_xticks(range(len(medians)), [str(row["context"]) for row in medians])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("tcmalloc against glibc (%)")
     ax.set_title("SmolLM2-135M, one CPU core: tcmalloc against glibc's allocator")
     ax.legend()
     fig.tight_layout()
-    out = ROOT / "docs" / "img" / "allocator.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    save_plot(fig, IMG / "allocator.png")
 
 
-def section(table: list[dict[str, Any]], args: argparse.Namespace, minutes: float) -> str:
-    head = "| context | " + " | ".join(
-        f"{title}, glibc | {title}, tcmalloc | change" for title in METRICS.values()
-    )
-    lines = [head + " |", "|--:|" + "--:|--:|--:|" * len(METRICS)]
-    for row in table:
-        cells = [str(row["context"])]
+def section(rows: list[dict[str, Any]], args: argparse.Namespace, minutes: float) -> str:
+    header = ["context"]
+    for title in METRICS.values():
+        header += [f"{title}, glibc", f"{title}, tcmalloc", "change"]
+    cells = []
+    for row in rows:
+        line = [str(row["context"])]
         for metric in METRICS:
             before, after = row[f"glibc_{metric}"], row[f"tcmalloc_{metric}"]
-            cells += [f"{before:.1f} ms", f"{after:.1f} ms", f"{(after / before - 1) * 100:+.1f} %"]
-        lines.append("| " + " | ".join(cells) + " |")
+            line += [f"{before:.1f} ms", f"{after:.1f} ms", f"{(after / before - 1) * 100:+.1f} %"]
+        cells.append(line)
     return "\n".join(
         [
             BEGIN,
@@ -194,7 +187,9 @@ def section(table: list[dict[str, Any]], args: argparse.Namespace, minutes: floa
             "new request with all but its last token in the prefix cache (what a request arriving by "
             "migration pays). Medians over all rounds.",
             "",
-            *lines,
+            stamp(),
+            "",
+            *table(header, "r" * len(header), cells),
             "",
             "![allocator](img/allocator.png)",
             END,
@@ -234,14 +229,14 @@ def main() -> None:
                 f"step {statistics.median(r['step_ms'] for r in mine):5.1f} ms, "
                 f"re-admission {statistics.median(r['readmit_ms'] for r in mine):5.1f} ms"
             )
-    table = summarise(rounds, args.contexts)
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    out = ROOT / "bench" / "results" / f"allocator-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(json.dumps({"rounds": rounds, "table": table}, indent=1))
+    medians = summarise(rounds, args.contexts)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"allocator-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out.write_text(json.dumps({"rounds": rounds, "table": medians}, indent=1))
     say(f"results in {out.relative_to(ROOT)}")
     if not args.no_docs:
-        plot(table)
-    publish(section(table, args, (time.monotonic() - started) / 60), BEGIN, END, print_only=args.no_docs)
+        plot(medians)
+    publish(section(medians, args, (time.monotonic() - started) / 60), BEGIN, END, print_only=args.no_docs)
 
 
 if __name__ == "__main__":

@@ -24,29 +24,33 @@ import os
 import random
 import signal
 import statistics
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import cache
 
 import grpc
 import httpx
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import update_section
-
+from bench.harness import ROOT, pyplot, quantile, save_plot, stamp, table, update_section
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import tls
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "reliability.md"
 PLOT = ROOT / "docs" / "images" / "chaos-memory.png"
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
-VOCAB = json.loads((ROOT / ".cache" / "models" / "tiny-llama" / "config.json").read_text())["vocab_size"]
+MODEL = ROOT / ".cache" / "models" / "tiny-llama"
+
+
+@cache
+def vocab_size() -> int:
+    """The tiny model's vocabulary, read when the first prompt is drawn (not at import, so that
+    ``--help`` works before ``make models``)."""
+    size: int = json.loads((MODEL / "config.json").read_text())["vocab_size"]
+    return size
 
 
 @dataclass
@@ -62,7 +66,7 @@ class Tally:
 
 def fleet_config(engines: int) -> FleetConfig:
     return FleetConfig(
-        model_path=ROOT / ".cache" / "models" / "tiny-llama",
+        model_path=MODEL,
         served_model_name="tiny-llama",
         run_dir=ROOT / ".cache" / "bench" / "chaos",
         engines=engines,
@@ -89,7 +93,7 @@ async def client(
         max_tokens = rng.randint(64, 512)
         body = {
             "model": "tiny-llama",
-            "prompt": [rng.randrange(1, VOCAB) for _ in range(rng.randint(4, 64))],
+            "prompt": [rng.randrange(1, vocab_size()) for _ in range(rng.randint(4, 64))],
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -192,11 +196,7 @@ def sample_memory(
 
 
 def plot(samples: dict[str, list[tuple[float, float]]], events: list[tuple[float, str]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, points in sorted(samples.items()):
         xs: list[float] = []
@@ -217,18 +217,29 @@ def plot(samples: dict[str, list[tuple[float, float]]], events: list[tuple[float
     ax.set_title("Chaos run: memory of each fleet process")
     ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    save_plot(fig, PLOT)
 
 
 def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple[float, float]]]) -> str:
-    gaps = sorted(tally.longest_gaps) or [0.0]
-    p99 = gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    gaps = tally.longest_gaps or [0.0]
+    p99 = quantile(gaps, 0.99)
     growth = {
         name: (points[-1][1] - points[0][1], max(m for _, m in points))
         for name, points in samples.items()
         if points
     }
+    totals = [
+        str(tally.completed), str(tally.failed), str(tally.lost), str(tally.duplicated),
+        f"{statistics.median(gaps) * 1000:.0f} ms", f"{p99 * 1000:.0f} ms",
+    ]  # fmt: skip
+    header = [
+        "streams completed",
+        "streams failed",
+        "tokens lost",
+        "tokens duplicated",
+        "stall p50",
+        "stall p99",
+    ]
     lines = [
         BEGIN,
         f"## Chaos run ({time.strftime('%Y-%m-%d')}, `make bench-chaos`)",
@@ -237,10 +248,13 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
         f"an engine SIGKILLed every {args.kill_every} s (supervisord restarts it), Redis restarted once,",
         "one engine drained by migration.",
         "",
-        "| streams completed | streams failed | tokens lost | tokens duplicated | stall p50 | stall p99 |",
-        "|---|---|---|---|---|---|",
-        f"| {tally.completed} | {tally.failed} | {tally.lost} | {tally.duplicated} "
-        f"| {statistics.median(gaps) * 1000:.0f} ms | {p99 * 1000:.0f} ms |",
+        stamp(),
+        "",
+        *table(
+            header,
+            "------",
+            [totals],
+        ),
         "",
         "Stall: each completed stream's longest gap between two tokens (a stream that moved or was",
         "continued after its engine died shows it there).",
@@ -250,11 +264,13 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
         "",
         "Events: " + "; ".join(f"{t:.0f} s {what}" for t, what in tally.events),
         "",
-        "| process | memory at the end minus at the start | peak |",
-        "|---|---|---|",
-        *(
-            f"| {name} | {delta:+.0f} MiB | {peak:.0f} MiB |"
-            for name, (delta, peak) in sorted(growth.items())
+        *table(
+            ["process", "memory at the end minus at the start", "peak"],
+            "---",
+            (
+                [name, f"{delta:+.0f} MiB", f"{peak:.0f} MiB"]
+                for name, (delta, peak) in sorted(growth.items())
+            ),
         ),
         "",
         "![Memory of each process over the chaos run](images/chaos-memory.png)",

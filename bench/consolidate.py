@@ -3,7 +3,7 @@ what packing their requests onto the others costs in latency, on simulated engin
 
 Method
 ------
-The fleet benchmark's engines and workload (``bench/fleet.py``: LLaMA-2-7B on A10s, Poisson
+The fleet benchmark's engines and workload (``bench.fleet``: LLaMA-2-7B on A10s, Poisson
 arrivals, ShareGPT-shaped lengths) on 16 engines at rates from light to the fleet benchmark's
 sustained range. Each rate runs twice with the same requests: least-load dispatch with balancing
 migrations, then the same with consolidation (``BalancePolicy.consolidate_below``): the leader
@@ -15,7 +15,7 @@ mark, dispatch skips it, and its requests move to the fullest engines with room;
 arrival window, as their load reports say: what a scale-down could remove without moving
 anything (the operator removes the least-loaded engines first). Results go between
 ``<!-- consolidate:begin -->`` and ``<!-- consolidate:end -->`` of ``docs/benchmarks.md``, the plot
-to ``docs/img/consolidate.png``.
+to ``docs/img/consolidate.png``. Run it with ``python -m bench.consolidate`` (``make bench-consolidate``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import argparse
 import time
 from typing import Any
 
-from fleet import IMG, SIM, add_simulation_args, simulated_fleet
-from report import publish
-
-from shoal_engine.sim_backend import STEP_MODELS
-from shoal_fleet.simulation import Simulation, Workload
+from bench.fleet import SIM, add_simulation_args, simulated_fleet
+from bench.harness import IMG, publish, pyplot, save_plot, stamp, table
+from shoal_sim.engine import STEP_MODELS
+from shoal_sim.fleet import Simulation, Workload
 
 BEGIN, END = "<!-- consolidate:begin -->", "<!-- consolidate:end -->"
 
@@ -56,11 +55,7 @@ def run(args: argparse.Namespace, rate: float, consolidate: bool) -> dict[str, A
 
 
 def plot(rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for consolidate, label in ((False, "balancing only"), (True, "consolidating")):
         mine = [r for r in rows if r["consolidate"] == consolidate]
@@ -73,8 +68,16 @@ def plot(rows: list[dict[str, Any]]) -> None:
         axes.grid(alpha=0.3)
         axes.legend()
     fig.tight_layout()
-    IMG.mkdir(parents=True, exist_ok=True)
-    fig.savefig(IMG / "consolidate.png", dpi=110)
+    save_plot(fig, IMG / "consolidate.png")
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [
+        f"{r['rate']:g}", "consolidating" if r["consolidate"] else "balancing only",
+        f"{r['empty_engines']:.2f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+        f"{r['decode_p50_ms']:.1f}", f"{r['decode_p99_ms']:.1f}", f"{r['preemptions']:,}",
+        f"{r['migrations']:,}", "yes" if r["sustained"] else "no",
+    ]  # fmt: skip
 
 
 def section(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
@@ -92,17 +95,14 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         "",
         "![engines freed and decode latency against rate](img/consolidate.png)",
         "",
-        "| req/s | policy | empty engines | TTFT p50 (s) | TTFT p99 (s) | decode p50 (ms) | "
-        "decode p99 (ms) | preemptions | moves | sustained |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|---|",
+        stamp(),
+        "",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['rate']:g} | {'consolidating' if r['consolidate'] else 'balancing only'} | "
-            f"{r['empty_engines']:.2f} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
-            f"{r['decode_p50_ms']:.1f} | {r['decode_p99_ms']:.1f} | {r['preemptions']:,} | "
-            f"{r['migrations']:,} | {'yes' if r['sustained'] else 'no'} |"
-        )
+    header = [
+        "req/s", "policy", "empty engines", "TTFT p50 (s)", "TTFT p99 (s)", "decode p50 (ms)",
+        "decode p99 (ms)", "preemptions", "moves", "sustained",
+    ]  # fmt: skip
+    lines += table(header, "r-rrrrrrr-", (_cells(r) for r in rows))
     lines.append(END)
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ baseline: no load read at all). Time is ``perf_counter_ns`` around ``Scheduler.p
 collector on, as in the router. Target: at most 100 us p99 with 256 engines.
 
 Results go between ``<!-- dispatch:begin -->`` and ``<!-- dispatch:end -->`` of
-``docs/benchmarks.md``.
+``docs/benchmarks.md``. Run it with ``python -m bench.dispatch`` (``make bench-dispatch``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from report import publish
-
+from bench.harness import publish, quantile, stamp, table
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
 from shoal_router.core.scheduling import Ask, Scheduler
@@ -71,9 +70,9 @@ class Timing:
     engines: int
     ns: list[int] = field(default_factory=list)
 
-    def quantile(self, q: float) -> float:
-        ordered = sorted(self.ns)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000
+    def us(self, q: float) -> float:
+        """Quantile ``q`` of the decision times, in microseconds."""
+        return quantile(self.ns, q) / 1000
 
 
 def run(
@@ -112,14 +111,13 @@ def main() -> None:
             print(f"  {count} engines: round {round_ + 1}/{args.rounds} done", flush=True)
         for timing in by_profile.values():
             print(
-                f"  {count:>3} engines, {timing.profile}: p50 {timing.quantile(0.5):.1f} us, "
-                f"p99 {timing.quantile(0.99):.1f} us",
+                f"  {count:>3} engines, {timing.profile}: p50 {timing.us(0.5):.1f} us, "
+                f"p99 {timing.us(0.99):.1f} us",
                 flush=True,
             )
         timings += by_profile.values()
     rows = [
-        f"| {t.engines} | {t.profile} | {t.quantile(0.5):.1f} us | {t.quantile(0.99):.1f} us | "
-        f"{t.quantile(0.999):.1f} us |"
+        (t.engines, t.profile, f"{t.us(0.5):.1f} us", f"{t.us(0.99):.1f} us", f"{t.us(0.999):.1f} us")
         for t in timings
     ]
     section = "\n".join(
@@ -133,9 +131,9 @@ def main() -> None:
             "reports refreshed every 100 decisions, each decision counted on its engine as dispatch",
             "does. Target: at most 100 us p99 with 256 engines.",
             "",
-            "| engines | scheduler | p50 | p99 | p99.9 |",
-            "|--:|---|--:|--:|--:|",
-            *rows,
+            stamp(),
+            "",
+            *table(["engines", "scheduler", "p50", "p99", "p99.9"], "r-rrr", rows),
             END,
         ]
     )

@@ -10,7 +10,7 @@ returned (the router's ``shoal_router_relay_delay_seconds`` measures the same sp
 engine batch being read), and prints, as one JSON line at the end: the delays' p50 / p90 / p99
 (ms), its CPU per write (us) and the kernel's share of it.
 
-``bench/relay.py`` runs it beside each paced round (same streams, same tokens, the engines'
+``bench.relay`` runs it beside each paced round (same streams, same tokens, the engines'
 step time as the period) and reads it with the same client.
 """
 
@@ -26,6 +26,8 @@ import time
 from typing import cast
 
 import uvloop
+
+from bench.harness import quantiles
 
 HEADERS = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -129,19 +131,15 @@ async def serve(args: argparse.Namespace) -> None:
     server = await loop.create_server(lambda: Connection(fan_out), "127.0.0.1", args.port, backlog=4096)
     print("ready", flush=True)
     user, system = await fan_out.done
-    delays = sorted(fan_out.delays)
-    writes = len(delays)
-
-    def quantile(q: float) -> float:
-        return delays[min(writes - 1, int(q * writes))] * 1000
-
+    writes = len(fan_out.delays)
+    p50, p90, p99 = quantiles(fan_out.delays, [0.5, 0.9, 0.99])
     print(
         json.dumps(
             {
                 "writes": writes,
-                "delay_p50_ms": quantile(0.5),
-                "delay_p90_ms": quantile(0.9),
-                "delay_p99_ms": quantile(0.99),
+                "delay_p50_ms": p50 * 1000,
+                "delay_p90_ms": p90 * 1000,
+                "delay_p99_ms": p99 * 1000,
                 "cpu_us_per_write": (user + system) / writes * 1e6,
                 "system_share": system / (user + system) if user + system else 0.0,
             }

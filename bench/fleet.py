@@ -3,7 +3,7 @@
 Method
 ------
 Llumnix's experiment (OSDI'24) on Shoal's own code, at fleet sizes one machine cannot run for
-real: ``shoal_fleet.simulation`` runs engines as the simulated engine's ``SimBatch`` (batch, KV
+real: ``shoal_sim.fleet`` runs engines as the simulated engine's ``SimBatch`` (batch, KV
 blocks, recompute preemption, step-time model) on simulated time, dispatch as the router's
 ``Scheduler`` over its ``EngineView`` objects fed 100 ms load reports, and balancing as the
 router's ``Balancer`` with moves timed by the migration protocol's stages (see the module), and
@@ -30,7 +30,7 @@ tokens per second the requests ask for (past it, requests queue without bound). 
 per engine then runs on 64 and 256 engines.
 
 Results go between ``<!-- fleet:begin -->`` and ``<!-- fleet:end -->`` of ``docs/benchmarks.md``,
-plots to ``docs/img/fleet_*.png``.
+plots to ``docs/img/fleet_*.png``. Run it with ``python -m bench.fleet`` (``make bench-fleet``).
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ import argparse
 import time
 from typing import Any
 
-from report import ROOT, publish
-
-from shoal_engine.sim_backend import STEP_MODELS, SimConfig
-from shoal_fleet.simulation import Fleet, Result, Simulation, Workload
+from bench.harness import IMG, publish, pyplot, quantile, save_plot, stamp, table
 from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy
+from shoal_sim.engine import STEP_MODELS, SimConfig
+from shoal_sim.fleet import Fleet, Result, Simulation, Workload
 
 BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
 POLICIES = {  # name: (scheduler, migration, hold)
@@ -58,7 +57,6 @@ FULL = "least_load+migration+hold"
 SIM = SimConfig(
     model="llama2-7b-a10", kv_blocks=1024, max_num_seqs=256, max_batched_tokens=4096, max_model_len=4096
 )
-IMG = ROOT / "docs" / "img"
 
 
 def add_simulation_args(parser: argparse.ArgumentParser) -> None:
@@ -140,12 +138,7 @@ def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str
 
 
 def plots(rows: list[dict[str, Any]], engines: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    IMG.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     metrics = [
         ("ttft_p99_s", "TTFT p99 (s)", True),
         ("decode_p99_ms", "decode latency p99 (ms per token)", False),
@@ -165,21 +158,33 @@ def plots(rows: list[dict[str, Any]], engines: int) -> None:
     axes.flat[0].legend()
     fig.suptitle(f"{engines} simulated engines (LLaMA-2-7B on A10), Poisson arrivals, ShareGPT-like lengths")
     fig.tight_layout()
-    fig.savefig(IMG / "fleet_policies.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, IMG / "fleet_policies.png")
 
 
-def _row(r: dict[str, Any]) -> str:
-    return (
-        f"| {r['engines']} | {r['rate']:.1f} | {r['policy']} | {r['ttft_p50_s']:.2f} | "
-        f"{r['ttft_p99_s']:.2f} | {r['decode_p50_ms']:.1f} | {r['decode_p99_ms']:.1f} | "
-        f"{r['preemptions']:,} | {r['preemption_loss_s']:.0f} | "
-        f"{r['steady_tokens_per_s']:,.0f} / {r['offered_tokens_per_s']:,.0f} | "
-        f"{r['migrations']:,} | {r['held']:,} | {r['held_p99_s']:.2f} | {'yes' if r['sustained'] else 'no'} |"
-    )
+HEADER = [
+    "engines", "req/s", "policy", "TTFT p50 (s)", "TTFT p99 (s)", "decode p50 (ms)", "decode p99 (ms)",
+    "preemptions", "preemption loss (s)", "tokens/s delivered / asked", "moves", "held", "held p99 (s)",
+    "sustained",
+]  # fmt: skip
 
 
-def _target_row(engines: int, rate: float, at: dict[str, dict[str, Any]]) -> str:
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [
+        str(r["engines"]), f"{r['rate']:.1f}", r["policy"],
+        f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+        f"{r['decode_p50_ms']:.1f}", f"{r['decode_p99_ms']:.1f}",
+        f"{r['preemptions']:,}", f"{r['preemption_loss_s']:.0f}",
+        f"{r['steady_tokens_per_s']:,.0f} / {r['offered_tokens_per_s']:,.0f}",
+        f"{r['migrations']:,}", f"{r['held']:,}", f"{r['held_p99_s']:.2f}",
+        "yes" if r["sustained"] else "no",
+    ]  # fmt: skip
+
+
+def _policies_table(rows: list[dict[str, Any]]) -> list[str]:
+    return table(HEADER, "rr-rrrrrrrrrr-", (_cells(r) for r in rows))
+
+
+def _target_cells(engines: int, rate: float, at: dict[str, dict[str, Any]]) -> list[str]:
     rr, full = at["round_robin"], at[FULL]
 
     def each(key: str, digits: int) -> str:
@@ -190,11 +195,10 @@ def _target_row(engines: int, rate: float, at: dict[str, dict[str, Any]]) -> str
 
     loss = rr["preemption_loss_s"]
     cut = f"{1 - full['preemption_loss_s'] / loss:.0%}" if loss else "none to cut"
-    return (
-        f"| {engines} | {rate:g} | {each('ttft_p99_s', 2)} | {ratio('ttft_p99_s')} | "
-        f"{each('decode_p99_ms', 1)} | {ratio('decode_p99_ms')} | "
-        f"{each('preemption_loss_s', 0)} | {cut} |"
-    )
+    return [
+        str(engines), f"{rate:g}", each("ttft_p99_s", 2), ratio("ttft_p99_s"), each("decode_p99_ms", 1),
+        ratio("decode_p99_ms"), each("preemption_loss_s", 0), cut,
+    ]  # fmt: skip
 
 
 def _targets(rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> list[str]:
@@ -209,14 +213,16 @@ def _targets(rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> li
         "each cell reads round-robin / least-load / least-load + migration / least-load + migration "
         "+ holding, and the cut is round-robin's against the last one's:",
         "",
-        "| engines | req/s | TTFT p99 (s) | cut (target 10x) | decode p99 (ms) | cut (target 1.5x) | "
-        "preemption loss (s) | cut (target 70%) |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
+    cells = []
     for engines, at_rate in points:
         at = {r["policy"]: r for r in rows + scale_rows if (r["engines"], r["rate"]) == (engines, at_rate)}
-        lines.append(_target_row(engines, at_rate, at))
-    return lines
+        cells.append(_target_cells(engines, at_rate, at))
+    header = [
+        "engines", "req/s", "TTFT p99 (s)", "cut (target 10x)", "decode p99 (ms)", "cut (target 1.5x)",
+        "preemption loss (s)", "cut (target 70%)",
+    ]  # fmt: skip
+    return lines + table(header, "rrrrrrrr", cells)
 
 
 def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> str:
@@ -224,16 +230,11 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: li
     prompts = sorted(p for _, p, _ in draw)
     outputs = sorted(o for _, _, o in draw)
 
-    def pct(values: list[int], q: float) -> int:
-        return values[min(len(values) - 1, int(q * len(values)))]
-
     model = STEP_MODELS[SIM.model]
-    header = [
-        "| engines | req/s | policy | TTFT p50 (s) | TTFT p99 (s) | decode p50 (ms) | decode p99 (ms) | "
-        "preemptions | preemption loss (s) | tokens/s delivered / asked | moves | held | held p99 (s) | "
-        "sustained |",
-        "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
-    ]
+
+    def pct(values: list[int], q: float) -> str:
+        return f"{quantile(values, q):.0f}"
+
     return "\n".join(
         [
             BEGIN,
@@ -243,7 +244,7 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: li
             f"{SIM.kv_blocks:,} KV blocks of {SIM.block_size} tokens each), {args.requests:,} requests "
             f"per run, Poisson arrivals, seed {args.seed}. Dispatch, load reports and balancing are the "
             "router's own "
-            "code on simulated time (`shoal_fleet.simulation`); the four policies get the same requests. "
+            "code on simulated time (`shoal_sim.fleet`); the four policies get the same requests. "
             f"Balancing: check every {args.balance_interval} s, threshold {args.balance_threshold}, "
             f"patience {args.balance_patience}, cooldown {args.balance_cooldown} s, at most "
             f"{args.balance_max_concurrent} moves at once; KV moves at {args.kv_gbps} GB/s. Holding: a new "
@@ -252,6 +253,8 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: li
             "waited; held p99: the 99th percentile of every request's wait, most of them 0). Left out: the "
             "network between router and engines, the router's own CPU time and tokenization; engines "
             "prefill a long prompt in one step (vLLM would chunk it).",
+            "",
+            stamp(),
             "",
             f"Lengths drawn (tokens): prompt p50 {pct(prompts, 0.5)}, p90 {pct(prompts, 0.9)}, "
             f"p99 {pct(prompts, 0.99)}, mean {sum(prompts) / len(prompts):.0f}; "
@@ -262,15 +265,14 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: li
             "",
             *_targets(rows, scale_rows),
             "",
-            *header,
-            *(_row(r) for r in rows),
+            *_policies_table(rows),
             "",
             f"The same rate per engine on larger fleets ({args.requests:,} requests per "
             f"{args.engines} engines):"
             if scale_rows
             else "",
             "",
-            *((header + [_row(r) for r in scale_rows]) if scale_rows else []),
+            *(_policies_table(scale_rows) if scale_rows else []),
             END,
         ]
     )

@@ -66,7 +66,6 @@ import math
 import random
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -77,20 +76,26 @@ import httpx
 import torch
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.harness import (
+    DOCS,
+    IMG,
+    RESULTS,
+    ROOT,
+    bootstrap_interval,
+    pyplot,
+    save_plot,
+    say,
+    stamp,
+    table,
+    update_section,
+)
+from shoal_engine.kv.agent import KvAgent, TableUpdate
+from shoal_fleet.launcher import Fleet, FleetConfig, write_fleet_tls
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos import kv, tls
+from shoal_protos.records import MIGRATION_PHASES as PHASES
+from shoal_protos.records import TARGET_PHASES
 
-from report import bootstrap_interval, update_section  # noqa: E402
-
-from shoal_engine.kv.agent import KvAgent, TableUpdate  # noqa: E402
-from shoal_fleet.launcher import Fleet, FleetConfig, write_fleet_tls  # noqa: E402
-from shoal_protos import engine_control_pb2 as pb  # noqa: E402
-from shoal_protos import kv, tls  # noqa: E402
-from shoal_protos.records import MIGRATION_PHASES as PHASES  # noqa: E402
-from shoal_protos.records import TARGET_PHASES  # noqa: E402
-
-DOCS = ROOT / "docs" / "benchmarks.md"
-RESULTS = ROOT / "bench" / "results"  # git-ignored: every run's numbers
 BEGIN, END = "<!-- migration:begin -->", "<!-- migration:end -->"
 SMOL_LAYERS, SMOL_BLOCK_BYTES = 30, 2 * 32 * 3 * 64 * 2  # per layer: K and V, 32 tokens, 3 heads of 64, bf16
 TRANSPORTS = ("tcp", "gloo", "tls")
@@ -102,10 +107,6 @@ MODES = {
     "stop_and_copy": pb.STOP_AND_COPY,
     "recompute": pb.RECOMPUTE,
 }
-
-
-def say(line: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
 # ---- bandwidth -----------------------------------------------------------------------------
@@ -675,12 +676,7 @@ def stall_median(stalls: list[dict[str, Any]], mode: str, context: int, key: str
 
 
 def plots(bw: list[dict[str, Any]], stalls: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    (ROOT / "docs" / "img").mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     if bw:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot([r["mb"] for r in bw], [r["raw_gbps"] for r in bw], "o-", label="raw loopback TCP")
@@ -697,8 +693,7 @@ def plots(bw: list[dict[str, Any]], stalls: list[dict[str, Any]]) -> None:
         ax.set_title("KV transfer bandwidth")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(ROOT / "docs" / "img" / "migration_bandwidth.png", dpi=110)
-        plt.close(fig)
+        save_plot(fig, IMG / "migration_bandwidth.png")
     if stalls:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
         points = sorted({r["context"] for r in stalls})
@@ -718,8 +713,7 @@ def plots(bw: list[dict[str, Any]], stalls: list[dict[str, Any]]) -> None:
         axes[0].legend()
         fig.suptitle("Stall of a migrated request, SmolLM2 on CPU")
         fig.tight_layout()
-        fig.savefig(ROOT / "docs" / "img" / "migration_stall.png", dpi=110)
-        plt.close(fig)
+        save_plot(fig, IMG / "migration_stall.png")
 
 
 def section(
@@ -728,42 +722,45 @@ def section(
     slow: list[dict[str, Any]],
     args: argparse.Namespace,
     note: str,
+    earlier: dict[str, str] | None = None,
 ) -> str:
+    """The docs section; ``earlier`` holds, for each part taken from an earlier run, that run's
+    note (its stamp), which the part's paragraph quotes."""
+
+    def from_earlier(part: str) -> str:
+        run = (earlier or {}).get(part)
+        return f" (From an earlier run, not measured in this one: {run})" if run else ""
+
     lines = [
         BEGIN,
         "## Live migration: KV bandwidth and client-visible stall",
         "",
-        "<!-- Written by bench/migration.py; `make bench-migration` rewrites this section. -->",
+        "<!-- Written by bench.migration; `make bench-migration` rewrites this section. -->",
         "",
         f"**Run it:** `make bench-migration`. {note}",
         "",
     ]
     if bw:
         lines += [
-            "**Bandwidth.** One request's KV (synthetic, SmolLM2's layout: 30 layers, 737,280 bytes per "
+            f"**Bandwidth.**{from_earlier('bandwidth')} "
+            "One request's KV (synthetic, SmolLM2's layout: 30 layers, 737,280 bytes per "
             "32-token block) from one KV agent into another's staging area over loopback, beside one raw "
             f"`sendall` of the same random bytes into one reused buffer, median of {args.repeats} runs "
             "each (target: >= 80 % of raw from 64 MB). The cold columns are each transport's first "
             "transfer: the connection (and the gloo group) is made then and the target's staging arena "
             "is touched for the first time; later migrations find both ready.",
             "",
-            "| size | raw loopback TCP | Shoal tcp | share of raw | Shoal gloo | share of raw "
-            "| Shoal tcp, mutual TLS | share of raw | tcp, cold | gloo, cold | TLS, cold |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
-        lines += [
-            f"| {r['mb']} MB | {r['raw_gbps']:.2f} GB/s "
-            f"| {r['tcp_gbps']:.2f} GB/s | {100 * r['tcp_ratio']:.0f} % "
-            f"| {r['gloo_gbps']:.2f} GB/s | {100 * r['gloo_ratio']:.0f} % "
-            f"| {r['tls_gbps']:.2f} GB/s | {100 * r['tls_ratio']:.0f} % "
-            f"| {r['tcp_cold_gbps']:.2f} GB/s | {r['gloo_cold_gbps']:.2f} GB/s "
-            f"| {r['tls_cold_gbps']:.2f} GB/s |"
-            for r in bw
-        ]
+        header = [
+            "size", "raw loopback TCP", "Shoal tcp", "share of raw", "Shoal gloo", "share of raw",
+            "Shoal tcp, mutual TLS", "share of raw", "tcp, cold", "gloo, cold", "TLS, cold",
+        ]  # fmt: skip
+        lines += table(header, "r" * len(header), (_bandwidth_cells(r) for r in bw))
         lines += ["", "![bandwidth](img/migration_bandwidth.png)", ""]
     if stalls:
         lines += [
-            "**Stall.** SmolLM2-135M-Instruct, two CPU engines (one core each, KV blocks of "
+            f"**Stall.**{from_earlier('stall')} "
+            "SmolLM2-135M-Instruct, two CPU engines (one core each, KV blocks of "
             f"{args.block_size} tokens, EngineControl and KV data over mutual TLS as in `make run`), "
             "a streaming greedy "
             f"request moved after {args.move_after} tokens; stall = the gap before the client's first "
@@ -777,25 +774,14 @@ def section(
             "prefix cache before the stop (`WarmMigration`), so the commit loads only the last blocks; "
             "'unwarmed' is the same move with the whole KV loaded at the commit.",
             "",
-            "| context | precopy stall | precopy, target's clock | precopy, worst | unwarmed stall "
-            "| unwarmed, target's clock | stop-and-copy stall | recompute stall | precopy downtime "
-            "| KV moved | usual ITL |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
-        for context in sorted({r["context"] for r in stalls}):
-
-            def med(mode: str, key: str, c: int = context) -> str:
-                value = stall_median(stalls, mode, c, key)
-                return "n/a" if value is None else f"{value:.1f} ms"
-
-            bytes_moved = stall_median(stalls, "precopy", context, "bytes") or 0.0
-            lines.append(
-                f"| {context} | {med('precopy', 'stall_ms')} | {med('precopy', 'engine_stall_ms')} "
-                f"| {med('precopy', 'worst_ms')} | {med('precopy_unwarmed', 'stall_ms')} "
-                f"| {med('precopy_unwarmed', 'engine_stall_ms')} | {med('stop_and_copy', 'stall_ms')} "
-                f"| {med('recompute', 'stall_ms')} | {med('precopy', 'downtime_ms')} "
-                f"| {bytes_moved / 1e6:.1f} MB | {med('precopy', 'itl_ms')} |"
-            )
+        header = [
+            "context", "precopy stall", "precopy, target's clock", "precopy, worst", "unwarmed stall",
+            "unwarmed, target's clock", "stop-and-copy stall", "recompute stall", "precopy downtime",
+            "KV moved", "usual ITL",
+        ]  # fmt: skip
+        contexts = sorted({r["context"] for r in stalls})
+        lines += table(header, "r" * len(header), (_stall_cells(stalls, c) for c in contexts))
         lagged = sum(_client_fell_behind(r) for r in stalls)
         lines += [
             "",
@@ -808,7 +794,8 @@ def section(
         lines += ["", "![stall](img/migration_stall.png)", ""]
     if slow:
         lines += [
-            f"**Slowdown of the other requests.** {args.bystanders} other greedy streams decode on the "
+            f"**Slowdown of the other requests.**{from_earlier('slowdown')} "
+            f"{args.bystanders} other greedy streams decode on the "
             "two engines while a request of the given context moves back and forth between them "
             f"(precopy, first after {args.move_after} tokens); each move is paired with the window "
             "just before it, as long, in which nothing moves (the same streams on the same engines). "
@@ -825,24 +812,13 @@ def section(
             "in as long a window just before it, as its KV agent saw them end (`source_step_ms`, "
             "`source_step_ms_before` of each move; no router or client in it, so every pair counts).",
             "",
-            "| pre-copy pace | context | pairs | source, moving | source, before | source slowdown "
-            "| target, moving | target, before | target slowdown "
-            "| pairs, source's clock | source's steps, moving | before | source slowdown, its clock |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
-        lines += [
-            f"| {pace_label(r.get('pace', '0'))} | {r['context']} | {r['trials']} "
-            f"| {r['source_moving_ms']:.1f} ms | {r['source_still_ms']:.1f} ms "
-            f"| {_share(r, 'source')} | {r['target_moving_ms']:.1f} ms "
-            f"| {r['target_still_ms']:.1f} ms | {_share(r, 'target')} "
-            + (
-                f"| {r['engine_trials']} | {r['engine_moving_ms']:.1f} ms | {r['engine_still_ms']:.1f} ms "
-                f"| {_share(r, 'engine')} |"
-                if r.get("engine_trials")
-                else "| 0 | n/a | n/a | n/a |"
-            )
-            for r in slow
-        ]
+        header = [
+            "pre-copy pace", "context", "pairs", "source, moving", "source, before", "source slowdown",
+            "target, moving", "target, before", "target slowdown", "pairs, source's clock",
+            "source's steps, moving", "before", "source slowdown, its clock",
+        ]  # fmt: skip
+        lines += table(header, "r" * len(header), (_slowdown_cells(r) for r in slow))
         timed = [r for r in slow if not math.isnan(r.get("precopy_ms", float("nan")))]
         if timed:
             lines += [
@@ -850,15 +826,12 @@ def section(
                 "The same moves' parts on their source, median ms (`phase_ms` of each move: the "
                 "pre-copy is paced, the rest runs at full speed):",
                 "",
-                "| pre-copy pace | context | " + " | ".join(PHASES) + " |",
-                "|--:|--:|" + "--:|" * len(PHASES),
             ]
-            lines += [
-                f"| {pace_label(r.get('pace', '0'))} | {r['context']} | "
-                + " | ".join(f"{r[f'{phase}_ms']:.1f}" for phase in PHASES)
-                + " |"
+            cells = (
+                [pace_label(r.get("pace", "0")), str(r["context"]), *(f"{r[f'{p}_ms']:.1f}" for p in PHASES)]
                 for r in timed
-            ]
+            )
+            lines += table(["pre-copy pace", "context", *PHASES], "rr" + "r" * len(PHASES), cells)
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
@@ -877,18 +850,55 @@ def _target_phase_lines(stalls: list[dict[str, Any]]) -> list[str]:
         "from the commit reaching the target to the first token back in its engine service; "
         "vLLM's own stamps split it), beside the target's usual gap (the median of its next 8):",
         "",
-        "| context | " + " | ".join(TARGET_PHASES) + " | whole | target's usual gap |",
-        "|--:|" + "--:|" * (len(TARGET_PHASES) + 2),
     ]
+    cells = []
     for context in contexts:
         rows = [r for r in timed if r["context"] == context]
-        cells = [statistics.median(r["target_phase_ms"].get(p, 0.0) for r in rows) for p in TARGET_PHASES]
+        parts = [statistics.median(r["target_phase_ms"].get(p, 0.0) for r in rows) for p in TARGET_PHASES]
         whole = statistics.median(sum(r["target_phase_ms"].values()) for r in rows)
         usual = statistics.median(r["local_itl_ms"] for r in rows)
-        lines.append(
-            f"| {context} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {whole:.1f} | {usual:.1f} |"
-        )
-    return lines
+        cells.append([str(context), *(f"{c:.1f}" for c in [*parts, whole, usual])])
+    header = ["context", *TARGET_PHASES, "whole", "target's usual gap"]
+    return lines + table(header, "r" * len(header), cells)
+
+
+def _bandwidth_cells(r: dict[str, Any]) -> list[str]:
+    return [
+        f"{r['mb']} MB", f"{r['raw_gbps']:.2f} GB/s",
+        f"{r['tcp_gbps']:.2f} GB/s", f"{100 * r['tcp_ratio']:.0f} %",
+        f"{r['gloo_gbps']:.2f} GB/s", f"{100 * r['gloo_ratio']:.0f} %",
+        f"{r['tls_gbps']:.2f} GB/s", f"{100 * r['tls_ratio']:.0f} %",
+        f"{r['tcp_cold_gbps']:.2f} GB/s", f"{r['gloo_cold_gbps']:.2f} GB/s", f"{r['tls_cold_gbps']:.2f} GB/s",
+    ]  # fmt: skip
+
+
+def _stall_cells(stalls: list[dict[str, Any]], context: int) -> list[str]:
+    def med(mode: str, key: str) -> str:
+        value = stall_median(stalls, mode, context, key)
+        return "n/a" if value is None else f"{value:.1f} ms"
+
+    bytes_moved = stall_median(stalls, "precopy", context, "bytes") or 0.0
+    return [
+        str(context), med("precopy", "stall_ms"), med("precopy", "engine_stall_ms"),
+        med("precopy", "worst_ms"), med("precopy_unwarmed", "stall_ms"),
+        med("precopy_unwarmed", "engine_stall_ms"), med("stop_and_copy", "stall_ms"),
+        med("recompute", "stall_ms"), med("precopy", "downtime_ms"),
+        f"{bytes_moved / 1e6:.1f} MB", med("precopy", "itl_ms"),
+    ]  # fmt: skip
+
+
+def _slowdown_cells(r: dict[str, Any]) -> list[str]:
+    cells = [
+        pace_label(r.get("pace", "0")), str(r["context"]), str(r["trials"]),
+        f"{r['source_moving_ms']:.1f} ms", f"{r['source_still_ms']:.1f} ms", _share(r, "source"),
+        f"{r['target_moving_ms']:.1f} ms", f"{r['target_still_ms']:.1f} ms", _share(r, "target"),
+    ]  # fmt: skip
+    if not r.get("engine_trials"):
+        return [*cells, "0", "n/a", "n/a", "n/a"]
+    return [
+        *cells, str(r["engine_trials"]), f"{r['engine_moving_ms']:.1f} ms",
+        f"{r['engine_still_ms']:.1f} ms", _share(r, "engine"),
+    ]  # fmt: skip
 
 
 def _share(row: dict[str, Any], side: str) -> str:
@@ -899,13 +909,15 @@ def _share(row: dict[str, Any], side: str) -> str:
     return text
 
 
-def last_results(part: str) -> list[dict[str, Any]]:
+def last_results(part: str) -> tuple[list[dict[str, Any]], str]:
+    """The rows of ``part`` from the last run that measured it, and that run's note (its stamp)."""
     for path in sorted(RESULTS.glob("migration-*.json"), reverse=True):
-        rows: list[dict[str, Any]] = json.loads(path.read_text()).get(part, [])
+        saved = json.loads(path.read_text())
+        rows: list[dict[str, Any]] = saved.get(part, [])
         if rows:
             say(f"{part}: numbers of {path.name} (not measured this time)")
-            return rows
-    return []
+            return rows, saved.get("note") or path.name
+    return [], ""
 
 
 def update_docs(text: str) -> None:
@@ -981,9 +993,8 @@ def main() -> None:
     # them saw the client stall for a second at a time (the kernel reclaiming memory).
     bw = [] if args.skip_bandwidth else bandwidth(args.sizes_mb, args.repeats)
     note = (
-        f"Machine: {torch.get_num_threads()} threads, torch {torch.__version__}; "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; fleet ready in {ready:.0f} s; "
-        f"whole run {(time.monotonic() - started) / 60:.1f} min."
+        f"{stamp()} Machine: {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"fleet ready in {ready:.0f} s; whole run {(time.monotonic() - started) / 60:.1f} min."
     )
     results: dict[str, Any] = {
         "bandwidth": bw,
@@ -996,11 +1007,12 @@ def main() -> None:
     saved = RESULTS / f"migration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     saved.write_text(json.dumps(results, indent=1))
     say(f"results in {saved.relative_to(ROOT)}")
-    # A part skipped this time keeps its numbers from the last run that measured it.
+    # A part skipped this time keeps its numbers (and their stamp) from the last run that measured it.
+    earlier: dict[str, str] = {}
     for part in ("bandwidth", "stall", "slowdown"):
         if not results[part]:
-            results[part] = last_results(part)
-    text = section(results["bandwidth"], results["stall"], results["slowdown"], args, note)
+            results[part], earlier[part] = last_results(part)
+    text = section(results["bandwidth"], results["stall"], results["slowdown"], args, note, earlier)
     missing = [part for part in ("bandwidth", "stall", "slowdown") if not results[part]]
     if missing and not args.no_docs:
         # The section is written whole: writing it now would drop what the docs show of them.

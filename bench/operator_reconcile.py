@@ -2,7 +2,8 @@
 
 Method
 ------
-kmock (an in-memory Kubernetes API over HTTP on loopback) holds one ``InferenceCluster`` with
+kmock (an in-memory Kubernetes API over HTTP on loopback, with the server-side apply of
+``tests.unit.ssa``, as the operator writes its children) holds one ``InferenceCluster`` with
 ``--engines`` engine replicas. The operator's ``Reconciler`` talks to it through its real HTTP
 client, as it talks to an API server. Measured, each ``--repeats`` times (median and p95):
 
@@ -18,7 +19,8 @@ client, as it talks to an API server. Measured, each ``--repeats`` times (median
   (no drainer: draining is the engines' work, timed in the migration benchmarks).
 
 API calls are counted on the server side; writes are POST, PATCH, PUT and DELETE. Results go
-between ``<!-- operator:begin -->`` and ``<!-- operator:end -->`` of ``docs/benchmarks.md``.
+between ``<!-- operator:begin -->`` and ``<!-- operator:end -->`` of ``docs/benchmarks.md``. Run it
+with ``python -m bench.operator_reconcile`` (``make bench-operator``).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from typing import Any
 
 import kmock
 import kopf
-from report import publish
+
+from bench.harness import publish, quantile, stamp, table
 from shoal_operator.children import Cluster, render
 from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import CLUSTER_API_VERSION, Reconciler
 from shoal_operator.scale import EngineLoad
 from shoal_operator.spec import KIND, PLURAL, InferenceClusterSpec
+from tests.unit.ssa import ApplyingEmulator
 
 BEGIN, END = "<!-- operator:begin -->", "<!-- operator:end -->"
 NS, NAME, UID = "bench", "fleet", "0b7c9f3e-2a61-4d0e-8d1c-5f7d9e4a6b21"
@@ -106,7 +110,8 @@ class MockApi(threading.Thread):
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
-        async with kmock.KubernetesEmulator() as api, kmock.Server(api):
+        # With server-side apply, as the operator writes its children (kmock alone merges).
+        async with ApplyingEmulator() as api, kmock.Server(api):
             declare(api)
             self.api = api
             self.ready.set()
@@ -132,20 +137,13 @@ class Case:
         self.wall.append(time.perf_counter() - wall)
         self.calls = counter.since()
 
-    def row(self) -> str:
+    def cells(self) -> list[str]:
         def ms(values: list[float], q: float) -> str:
-            return f"{sorted(values)[min(len(values) - 1, int(len(values) * q))] * 1000:.1f} ms"
+            return f"{quantile(values, q) * 1000:.1f} ms"
 
         total, writes = self.calls
-        cells = [
-            self.name,
-            ms(self.cpu, 0.5),
-            ms(self.wall, 0.5),
-            ms(self.wall, 0.95),
-            str(total),
-            str(writes),
-        ]
-        return "| " + " | ".join(cells) + " |"
+        cpu, wall = ms(self.cpu, 0.5), ms(self.wall, 0.5)
+        return [self.name, cpu, wall, ms(self.wall, 0.95), str(total), str(writes)]
 
 
 async def measure(api: kmock.KubernetesEmulator, engines: int, repeats: int) -> list[Case]:
@@ -254,9 +252,13 @@ def main() -> None:
             f"loopback), {args.repeats} times per case. API calls and writes are per reconcile, counted",
             "by the server. Target: at most 1 s per reconcile, zero writes when nothing changed.",
             "",
-            "| case | operator CPU p50 | wall p50 | wall p95 | API calls | writes |",
-            "|---|---|---|---|---|---|",
-            *(case.row() for case in cases),
+            stamp(),
+            "",
+            *table(
+                ["case", "operator CPU p50", "wall p50", "wall p95", "API calls", "writes"],
+                "------",
+                (case.cells() for case in cases),
+            ),
             "",
             "Operator CPU is the reconciling thread's own time (render, JSON, compare, HTTP client); wall",
             "time adds kmock's, which grows with the requests it has served (it is no API server).",

@@ -3,7 +3,7 @@ for them (Llumnix's virtual usage) and migrations move other requests away, on s
 
 Method
 ------
-The fleet benchmark's engines and workload (``bench/fleet.py``) on 16 engines, with a share of
+The fleet benchmark's engines and workload (``bench.fleet``) on 16 engines, with a share of
 the requests marked as priority requests (priority below 0). Each rate runs twice with the same
 requests, both with least-load dispatch and balancing migrations: once with no headroom (every
 request alike), once with each engine counting ``--headroom`` of its KV cache as used per
@@ -11,7 +11,7 @@ priority request it holds. Dispatch then sends such an engine fewer requests and
 its other requests (never the priority one first) to freer engines, so priority requests decode
 in smaller batches. The cost lands on the other requests. Results go between
 ``<!-- priority:begin -->`` and ``<!-- priority:end -->`` of ``docs/benchmarks.md``, the plot to
-``docs/img/priority.png``.
+``docs/img/priority.png``. Run it with ``python -m bench.priority`` (``make bench-priority``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import argparse
 import time
 from typing import Any
 
-from fleet import IMG, SIM, add_simulation_args, simulated_fleet
-from report import publish
-
-from shoal_engine.sim_backend import STEP_MODELS
-from shoal_fleet.simulation import Simulation, Workload
+from bench.fleet import SIM, add_simulation_args, simulated_fleet
+from bench.harness import IMG, publish, pyplot, save_plot, stamp, table
+from shoal_sim.engine import STEP_MODELS
+from shoal_sim.fleet import Simulation, Workload
 
 BEGIN, END = "<!-- priority:begin -->", "<!-- priority:end -->"
 
@@ -45,11 +44,7 @@ def run(args: argparse.Namespace, rate: float, headroom: float) -> dict[str, Any
 
 
 def plot(rows: list[dict[str, Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(figsize=(6, 4))
     for headroom in sorted({r["headroom"] for r in rows}):
         mine = [r for r in rows if r["headroom"] == headroom]
@@ -63,8 +58,16 @@ def plot(rows: list[dict[str, Any]]) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     fig.tight_layout()
-    IMG.mkdir(parents=True, exist_ok=True)
-    fig.savefig(IMG / "priority.png", dpi=110)
+    save_plot(fig, IMG / "priority.png")
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    return [
+        f"{r['rate']:g}", f"{r['headroom']:g}", f"{r['priority_decode_p50_ms']:.1f}",
+        f"{r['priority_decode_p99_ms']:.1f}", f"{r['priority_ttft_p99_s']:.2f}",
+        f"{r['decode_p50_ms']:.1f}", f"{r['decode_p99_ms']:.1f}", f"{r['ttft_p99_s']:.2f}",
+        f"{r['migrations']:,}",
+    ]  # fmt: skip
 
 
 def section(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
@@ -81,17 +84,14 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
         "",
         "![decode latency of priority requests against rate](img/priority.png)",
         "",
-        "| req/s | headroom | priority decode p50 (ms) | priority decode p99 (ms) | priority TTFT p99 (s) | "
-        "all decode p50 (ms) | all decode p99 (ms) | all TTFT p99 (s) | moves |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        stamp(),
+        "",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['rate']:g} | {r['headroom']:g} | {r['priority_decode_p50_ms']:.1f} | "
-            f"{r['priority_decode_p99_ms']:.1f} | {r['priority_ttft_p99_s']:.2f} | "
-            f"{r['decode_p50_ms']:.1f} | "
-            f"{r['decode_p99_ms']:.1f} | {r['ttft_p99_s']:.2f} | {r['migrations']:,} |"
-        )
+    header = [
+        "req/s", "headroom", "priority decode p50 (ms)", "priority decode p99 (ms)", "priority TTFT p99 (s)",
+        "all decode p50 (ms)", "all decode p99 (ms)", "all TTFT p99 (s)", "moves",
+    ]  # fmt: skip
+    lines += table(header, "rrrrrrrrr", (_cells(r) for r in rows))
     lines.append(END)
     return "\n".join(lines)
 

@@ -23,7 +23,7 @@ its first output vLLM's detokenizer decodes the whole context: in a loop re-admi
 8k-token context it added 10-16 ms to each re-admission (2026-12-04), which a Shoal engine
 does not spend.
 
-    .venv/bin/python bench/readmission.py [--contexts 256 2048 8000] [--repeats 5] [--second-tokens 1]
+    .venv/bin/python -m bench.readmission [--contexts 256 2048 8000] [--repeats 5] [--second-tokens 1]
         [--vllm-detokenize]
 """
 
@@ -37,14 +37,14 @@ import random
 import statistics
 import time
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench.harness import ROOT, stamp, table
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 BLOCK = 32  # the CPU attention backend wants multiples of 32
 
@@ -185,22 +185,26 @@ async def run(
     return rows
 
 
-def table(rows: list[dict[str, float]], contexts: list[int]) -> str:
-    lines = [
-        "| context | usual gap | cached re-admission, over the gap | second chunk, over the gap "
-        "| as unmoved, re-admission | as unmoved, second chunk |",
-        "|--:|--:|--:|--:|--:|--:|",
-    ]
+def readmission_table(rows: list[dict[str, float]], contexts: list[int]) -> str:
+    """The markdown table, stamped with the commit and date it was measured at."""
+    cells = []
     for context in contexts:
         mine = [r for r in rows if r["context"] == context]
-        lines.append(
-            f"| {context} | {statistics.median(r['gap_ms'] for r in mine):.1f} ms "
-            f"| {statistics.median(r['readmit_ms'] for r in mine):+.1f} ms "
-            f"| {statistics.median(r['second_ms'] for r in mine):+.1f} ms "
-            f"| {sum(int(r['readmit_same']) for r in mine)} of {len(mine)} "
-            f"| {sum(int(r['second_same']) for r in mine)} of {len(mine)} |"
+        cells.append(
+            [
+                str(context),
+                f"{statistics.median(r['gap_ms'] for r in mine):.1f} ms",
+                f"{statistics.median(r['readmit_ms'] for r in mine):+.1f} ms",
+                f"{statistics.median(r['second_ms'] for r in mine):+.1f} ms",
+                f"{sum(int(r['readmit_same']) for r in mine)} of {len(mine)}",
+                f"{sum(int(r['second_same']) for r in mine)} of {len(mine)}",
+            ]
         )
-    return "\n".join(lines)
+    header = [
+        "context", "usual gap", "cached re-admission, over the gap", "second chunk, over the gap",
+        "as unmoved, re-admission", "as unmoved, second chunk",
+    ]  # fmt: skip
+    return "\n".join([stamp(), "", *table(header, "rrrrrr", cells)])
 
 
 def main() -> None:
@@ -230,7 +234,7 @@ def main() -> None:
         flush=True,
     )
     rows = asyncio.run(run(args.contexts, args.repeats, args.seed, args.second_tokens, args.vllm_detokenize))
-    print(table(rows, args.contexts))
+    print(readmission_table(rows, args.contexts))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ Paced rounds (first; ``--only-paces`` runs nothing else): one router and ``--pac
 streams with the engines at each ``--paces`` speed, from a real A100's pace (x1) to this
 machine's limit, for the delay the router adds to each token as the load grows
 (``shoal_router_relay_delay_seconds``, its quantiles estimated within the buckets); after each,
-``bench/fanout_floor.py`` at the same load: a server that only writes, the floor of that delay
+``bench.fanout_floor`` at the same load: a server that only writes, the floor of that delay
 for any single-threaded Python server. Results between ``<!-- relay-pace:begin -->`` and
 ``<!-- relay-pace:end -->``, and ``docs/img/relay_delay_by_load.png``.
 """
@@ -42,11 +42,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,48 +62,25 @@ import psutil
 import redis
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
-from report import publish
 
+from bench.harness import (
+    IMG,
+    ROOT,
+    Processes,
+    free_port,
+    histogram_quantile,
+    publish,
+    pyplot,
+    quantiles,
+    save_plot,
+    stamp,
+    table,
+    vllm_router_binary,
+)
 from shoal_protos.records import Keys, load_report_decoder
 
 BEGIN, END = "<!-- relay:begin -->", "<!-- relay:end -->"
 CLUSTER, MODEL = "relay-bench", "sim-relay"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@dataclass
-class Processes:
-    folder: Path
-    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def spawn(
-        self, name: str, command: list[str], env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        with (self.folder / f"{name}.log").open("wb") as log:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.procs.append(proc)
-        return proc
-
-    def check(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args[:3]} exited ({proc.returncode}); logs in {self.folder}")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")
@@ -143,15 +117,6 @@ def cpu_limits() -> Iterator[Callable[[int, str, float], None]]:
         for group in made:
             with contextlib.suppress(OSError):  # still holds a process that did not exit
                 group.rmdir()
-
-
-def wait_for(what: str, ready: Callable[[], bool], timeout_s: float, procs: Processes) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        procs.check()
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}; logs in {procs.folder}")
-        time.sleep(0.2)
 
 
 @dataclass
@@ -214,7 +179,7 @@ def fleet(
             except redis.ConnectionError:
                 return False
 
-        wait_for("Redis", redis_up, 10, procs)
+        procs.wait_for("Redis", redis_up, 10)
         engine_pids = []
         for i in range(args.engines):
             engine = procs.spawn(
@@ -262,7 +227,7 @@ def fleet(
                     return False
             return True
 
-        wait_for("the routers to see every engine", all_see_engines, 120, procs)
+        procs.wait_for("the routers to see every engine", all_see_engines, 120)
         front_pid = None
         router_urls = urls
         if front:
@@ -285,19 +250,11 @@ def fleet(
                 except httpx.HTTPError:
                     return False
 
-            wait_for("vllm-router", front_up, 60, procs)
+            procs.wait_for("vllm-router", front_up, 60)
         yield Running(urls, router_urls, pids, engine_pids, client, args.engines, front_pid)
     finally:
         procs.stop()
         limits.close()
-
-
-def vllm_router_binary() -> str:
-    """The ``vllm-router`` console script beside this interpreter (or on ``PATH``)."""
-    beside = Path(sys.executable).with_name("vllm-router")
-    found = str(beside) if beside.exists() else shutil.which("vllm-router")
-    assert found, "vllm-router is not installed; `make setup` installs it"
-    return found
 
 
 @dataclass
@@ -469,36 +426,6 @@ def relay_delay_buckets(router_urls: list[str]) -> dict[float, float]:
     return buckets
 
 
-def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
-    """The upper bound (ms) of the bucket holding quantile ``q`` of the events between two
-    readings of the histogram."""
-    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
-    total = counts[-1][1] if counts else 0.0
-    for bound, cumulative in counts:
-        if total and cumulative >= q * total:
-            return bound * 1000
-    return float("nan")
-
-
-def interpolated_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
-    """Quantile ``q`` (ms) of the events between two readings of the histogram, estimated
-    linearly within the bucket that holds it, as Prometheus' ``histogram_quantile`` does (the
-    highest finite bound when it falls in the last, unbounded bucket)."""
-    counts = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
-    total = counts[-1][1] if counts else 0.0
-    if not total:
-        return float("nan")
-    rank, lower, below = q * total, 0.0, 0.0
-    for bound, cumulative in counts:
-        if cumulative >= rank:
-            if math.isinf(bound):
-                return lower * 1000
-            share = (rank - below) / (cumulative - below) if cumulative > below else 1.0
-            return (lower + (bound - lower) * share) * 1000
-        lower, below = bound, cumulative
-    return float("nan")
-
-
 def cpu_seconds(procs: list[psutil.Process]) -> float:
     return sum(t.user + t.system for t in (p.cpu_times() for p in procs))
 
@@ -553,7 +480,8 @@ def measure(
     tokens = sum(r.tokens for r in results)
     events = len(times)
     window = (max(times) - min(times)) if times else wall
-    gaps = sorted(b - a for r in results for a, b in zip(r.times, r.times[1:], strict=False))
+    gaps = [b - a for r in results for a, b in zip(r.times, r.times[1:], strict=False)]
+    gap_p50, gap_p99 = quantiles(gaps, [0.5, 0.99]) if gaps else (float("nan"), float("nan"))
     row = {
         "routers": routers,
         "streams": streams,
@@ -567,15 +495,15 @@ def measure(
         "engine_cpu_us_per_token": engine_cpu / tokens * 1e6 if tokens else float("nan"),
         "router_cpu_cores": router_cpu / wall,
         "router_system_share": router_system / router_cpu if router_cpu else float("nan"),
-        "gap_p50_ms": gaps[len(gaps) // 2] * 1000 if gaps else float("nan"),
-        "gap_p99_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1000 if gaps else float("nan"),
+        "gap_p50_ms": gap_p50 * 1000,
+        "gap_p99_ms": gap_p99 * 1000,
         "engine_step_ms": step_ms,
         "peak_running": peak_running,
-        "relay_p50_ms": bucket_quantile(delays_before, delays_after, 0.5),
-        "relay_p99_ms": bucket_quantile(delays_before, delays_after, 0.99),
-        "relay_p50_est_ms": interpolated_quantile(delays_before, delays_after, 0.5),
-        "relay_p90_est_ms": interpolated_quantile(delays_before, delays_after, 0.9),
-        "relay_p99_est_ms": interpolated_quantile(delays_before, delays_after, 0.99),
+        "relay_p50_ms": histogram_quantile(delays_before, delays_after, 0.5, interpolate=False),
+        "relay_p99_ms": histogram_quantile(delays_before, delays_after, 0.99, interpolate=False),
+        "relay_p50_est_ms": histogram_quantile(delays_before, delays_after, 0.5),
+        "relay_p90_est_ms": histogram_quantile(delays_before, delays_after, 0.9),
+        "relay_p99_est_ms": histogram_quantile(delays_before, delays_after, 0.99),
         "client_cpu_us_per_event": client_cpu / events * 1e6 if events else float("nan"),
         "front_cpu_us_per_token": front_cpu / tokens * 1e6 if tokens and front else float("nan"),
         "front_cpu_us_per_event": front_cpu / events * 1e6 if events and front else float("nan"),
@@ -601,6 +529,27 @@ def measure(
     return row
 
 
+def _round_cells(r: dict[str, float]) -> list[str]:
+    return [
+        f"{r['routers']}", f"{r['streams']}", f"{r['peak_running']}", f"{r['tokens_per_s']:,.0f}",
+        f"{r['tokens_per_event']:.2f}",
+        f"{r['router_cpu_us_per_token']:.1f} us", f"{r['router_cpu_us_per_event']:.1f} us",
+        f"{r['router_cpu_cores']:.2f}", f"<= {r['relay_p50_ms']:g} ms", f"<= {r['relay_p99_ms']:g} ms",
+        f"{r['gap_p50_ms']:.2f} ms", f"{r['gap_p99_ms']:.2f} ms",
+        f"{r['engine_step_ms']:.2f} ms", f"{r['errors']}",
+    ]  # fmt: skip
+
+
+def _front_cells(r: dict[str, float]) -> list[str]:
+    return [
+        f"{r['streams']}", f"{r['peak_running']}", f"{r['tokens_per_s']:,.0f}",
+        f"{r['tokens_per_event']:.2f}",
+        f"{r['front_cpu_us_per_event']:.1f} us", f"{r['router_cpu_us_per_event']:.1f} us",
+        f"{r['router_cpu_us_per_event'] / r['front_cpu_us_per_event']:.2f}x",
+        f"{r['gap_p50_ms']:.2f} ms", f"{r['gap_p99_ms']:.2f} ms", f"{r['errors']}",
+    ]  # fmt: skip
+
+
 def section(
     args: argparse.Namespace, rows: list[dict[str, float]], front_rows: list[dict[str, float]]
 ) -> str:
@@ -622,20 +571,15 @@ def section(
             else ""
         ),
         "",
-        "| routers | streams | most running | tokens/s | tokens per SSE event | router CPU per token | "
-        "per event | router CPU (cores) | router delay p50 | p99 | gap p50 | gap p99 | engine step | "
-        "errors |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        stamp(),
+        "",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['routers']} | {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_event']:.2f} | "
-            f"{r['router_cpu_us_per_token']:.1f} us | {r['router_cpu_us_per_event']:.1f} us | "
-            f"{r['router_cpu_cores']:.2f} | <= {r['relay_p50_ms']:g} ms | <= {r['relay_p99_ms']:g} ms | "
-            f"{r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | "
-            f"{r['engine_step_ms']:.2f} ms | {r['errors']} |"
-        )
+    header = [
+        "routers", "streams", "most running", "tokens/s", "tokens per SSE event", "router CPU per token",
+        "per event", "router CPU (cores)", "router delay p50", "p99", "gap p50", "gap p99", "engine step",
+        "errors",
+    ]  # fmt: skip
+    lines += table(header, "r" * len(header), (_round_cells(r) for r in rows))
     by = {(r["routers"], r["streams"]): r for r in rows}
     ratios = [
         f"{s} streams: {by[(2, s)]['tokens_per_s'] / by[(1, s)]['tokens_per_s']:.2f}x"
@@ -658,24 +602,18 @@ def section(
             "same SSE events and each one's CPU is measured on them, with the streams of the rounds "
             "above.",
             "",
-            "| streams | most running | tokens/s | tokens per SSE event | vllm-router CPU per event | "
-            "Shoal router CPU per event | Shoal / vllm-router | gap p50 | gap p99 | errors |",
-            "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
         ]
-        for r in front_rows:
-            lines.append(
-                f"| {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
-                f"{r['tokens_per_event']:.2f} | "
-                f"{r['front_cpu_us_per_event']:.1f} us | {r['router_cpu_us_per_event']:.1f} us | "
-                f"{r['router_cpu_us_per_event'] / r['front_cpu_us_per_event']:.2f}x | "
-                f"{r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | {r['errors']} |"
-            )
+        header = [
+            "streams", "most running", "tokens/s", "tokens per SSE event", "vllm-router CPU per event",
+            "Shoal router CPU per event", "Shoal / vllm-router", "gap p50", "gap p99", "errors",
+        ]  # fmt: skip
+        lines += table(header, "r" * len(header), (_front_cells(r) for r in front_rows))
     lines.append(END)
     return "\n".join(lines)
 
 
 PACE_BEGIN, PACE_END = "<!-- relay-pace:begin -->", "<!-- relay-pace:end -->"
-PACE_PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "relay_delay_by_load.png"
+PACE_PLOT = IMG / "relay_delay_by_load.png"
 
 
 def paced(args: argparse.Namespace, folder: Path) -> list[dict[str, float]]:
@@ -702,16 +640,16 @@ def paced(args: argparse.Namespace, folder: Path) -> list[dict[str, float]]:
 def fanout_floor(
     args: argparse.Namespace, streams: int, tokens: int, period_ms: float, threads: int = 1
 ) -> dict[str, float]:
-    """``bench/fanout_floor.py`` (a bare server that only writes) at the paced round's load:
+    """``bench.fanout_floor`` (a bare server that only writes) at the paced round's load:
     ``streams`` streams of ``tokens`` events, a burst to all of them every engine step, read by
     the same client. Returns its delay quantiles (ms) and CPU per write."""
     port = free_port()
     command = [
-        sys.executable, str(Path(__file__).with_name("fanout_floor.py")), "--port", str(port),
+        sys.executable, "-m", "bench.fanout_floor", "--port", str(port),
         "--streams", str(streams), "--tokens", str(tokens), "--period-ms", f"{period_ms:.3f}",
         "--threads", str(threads),
     ]  # fmt: skip
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as server:
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT) as server:
         assert server.stdout is not None
         if server.stdout.readline().strip() != "ready":
             raise RuntimeError("the fan-out floor server did not start")
@@ -729,6 +667,19 @@ def fanout_floor(
     return cast(dict[str, float], report)
 
 
+def _pace_cells(r: dict[str, float]) -> list[str]:
+    return [
+        f"x{r['speed']:g}", f"{r['streams']}", f"{r['peak_running']}", f"{r['tokens_per_s']:,.0f}",
+        f"{r['tokens_per_event']:.2f}", f"{r['engine_step_ms']:.2f} ms", f"{r['router_cpu_cores']:.2f}",
+        f"{r['router_cpu_us_per_token']:.1f} us ({r['router_system_share']:.0%})",
+        f"{r['relay_p50_est_ms']:.2f} ms", f"{r['relay_p90_est_ms']:.2f} ms",
+        f"{r['relay_p99_est_ms']:.2f} ms", f"{r['floor_delay_p50_ms']:.2f} ms",
+        f"{r['floor_delay_p90_ms']:.2f} ms", f"{r['floor_delay_p99_ms']:.2f} ms",
+        f"{r['floor_cpu_us_per_write']:.1f} us ({r['floor_system_share']:.0%})",
+        f"{r['gap_p50_ms']:.2f} ms", f"{r['gap_p99_ms']:.2f} ms", f"{r['errors'] + r['floor_errors']:g}",
+    ]  # fmt: skip
+
+
 def pace_section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
     lines = [
         PACE_BEGIN,
@@ -742,37 +693,28 @@ def pace_section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
         "buckets as Prometheus' `histogram_quantile` does. Target: p99 at most 2 ms at 512 "
         "streams. Gap: between a stream's SSE events at the client (the engine's step, and "
         "everything after it). Bare fan-out, in the same run after each round: "
-        "`bench/fanout_floor.py`, a uvloop server that only writes, one event of the same size to "
+        "`bench.fanout_floor`, a uvloop server that only writes, one event of the same size to "
         "every stream once per engine step of that round, read by the same client; its delay is "
         "from the start of each burst to each write's return, measured exactly (the floor of any "
         "single-threaded Python server at this load; its CPU per write is nearly all the kernel's: "
         "on loopback the write runs the reader's TCP side and wakes it).",
         "",
-        "| engine pace | streams | most running | tokens/s | tokens per SSE event | engine step | "
-        "router CPU (cores) | router CPU per token (kernel share) | router delay p50 | p90 | p99 | "
-        "bare fan-out p50 | p90 | p99 | its CPU per write (kernel share) | gap p50 | gap p99 | errors |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        stamp(),
+        "",
     ]
-    for r in rows:
-        lines.append(
-            f"| x{r['speed']:g} | {r['streams']} | {r['peak_running']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_event']:.2f} | {r['engine_step_ms']:.2f} ms | {r['router_cpu_cores']:.2f} | "
-            f"{r['router_cpu_us_per_token']:.1f} us ({r['router_system_share']:.0%}) | "
-            f"{r['relay_p50_est_ms']:.2f} ms | {r['relay_p90_est_ms']:.2f} ms | "
-            f"{r['relay_p99_est_ms']:.2f} ms | {r['floor_delay_p50_ms']:.2f} ms | "
-            f"{r['floor_delay_p90_ms']:.2f} ms | {r['floor_delay_p99_ms']:.2f} ms | "
-            f"{r['floor_cpu_us_per_write']:.1f} us ({r['floor_system_share']:.0%}) | "
-            f"{r['gap_p50_ms']:.2f} ms | {r['gap_p99_ms']:.2f} ms | {r['errors'] + r['floor_errors']:g} |"
-        )
+    header = [
+        "engine pace", "streams", "most running", "tokens/s", "tokens per SSE event", "engine step",
+        "router CPU (cores)", "router CPU per token (kernel share)", "router delay p50", "p90", "p99",
+        "bare fan-out p50", "p90", "p99", "its CPU per write (kernel share)", "gap p50", "gap p99", "errors",
+    ]  # fmt: skip
+    lines += table(header, "r" * len(header), (_pace_cells(r) for r in rows))
     lines += ["", f"![router delay by load](img/{PACE_PLOT.name})", PACE_END]
     return "\n".join(lines)
 
 
 def pace_plot(rows: list[dict[str, float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     load = [r["tokens_per_s"] / 1000 for r in rows]
@@ -796,12 +738,11 @@ def pace_plot(rows: list[dict[str, float]]) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
-    PACE_PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PACE_PLOT, dpi=110)
-    plt.close(fig)
+    save_plot(fig, PACE_PLOT)
 
 
 GUARD_FILE = Path(__file__).with_name("relay_guard.json")
+GUARD_NAME = str(GUARD_FILE.relative_to(ROOT))
 # The guard fails when the router's cost relative to the engines' grows past this many times
 # the recorded ratio: far above run-to-run noise, well below what a real regression costs
 # (the BaseHTTPMiddleware layers this router once had cost 2.4-3.9x).
@@ -846,10 +787,8 @@ def main() -> None:
         help="how this process reads the streams: httptools' parser on a bare asyncio protocol, or aiohttp",
     )
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
-    parser.add_argument(
-        "--guard", action="store_true", help="quick regression check against bench/relay_guard.json"
-    )
-    parser.add_argument("--record-guard", action="store_true", help="measure, write bench/relay_guard.json")
+    parser.add_argument("--guard", action="store_true", help=f"quick regression check against {GUARD_NAME}")
+    parser.add_argument("--record-guard", action="store_true", help=f"measure, write {GUARD_NAME}")
     parser.add_argument("--guard-streams", type=int, default=64)
     parser.add_argument(
         "--baseline-src",
@@ -909,17 +848,26 @@ def main() -> None:
 
 def compare(rows: list[dict[str, float]], baseline_rows: list[dict[str, float]]) -> str:
     """A markdown table of the baseline router against this one, round by round."""
-    lines = [
-        "| routers | streams | CPU per event, baseline | this router | gap p99, baseline | this router |",
-        "|--:|--:|--:|--:|--:|--:|",
+    header = [
+        "routers",
+        "streams",
+        "CPU per event, baseline",
+        "this router",
+        "gap p99, baseline",
+        "this router",
     ]
-    for new, old in zip(rows, baseline_rows, strict=True):
-        lines.append(
-            f"| {new['routers']} | {new['streams']} | {old['router_cpu_us_per_event']:.1f} us | "
-            f"{new['router_cpu_us_per_event']:.1f} us | {old['gap_p99_ms']:.2f} ms | "
-            f"{new['gap_p99_ms']:.2f} ms |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            f"{new['routers']}",
+            f"{new['streams']}",
+            f"{old['router_cpu_us_per_event']:.1f} us",
+            f"{new['router_cpu_us_per_event']:.1f} us",
+            f"{old['gap_p99_ms']:.2f} ms",
+            f"{new['gap_p99_ms']:.2f} ms",
+        ]
+        for new, old in zip(rows, baseline_rows, strict=True)
+    ]
+    return "\n".join(table(header, "rrrrrr", cells))
 
 
 if __name__ == "__main__":

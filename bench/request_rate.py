@@ -4,7 +4,7 @@ second, its CPU per request, and the latency clients see; side by side with the 
 
 Method
 ------
-The fleet of ``bench/relay.py`` (a Redis, ``--engines`` simulated engines emitting tokens as
+The fleet of ``bench.relay`` (a Redis, ``--engines`` simulated engines emitting tokens as
 fast as this machine lets them, real router processes). ``--clients`` clients each hold one
 keep-alive connection to the router and send one request after another, for ``--seconds``
 after a warm-up: a ``/v1/completions`` request for ``--tokens`` tokens of a 4-token prompt
@@ -20,7 +20,8 @@ The same rounds run with the clients talking to ``vllm-router`` (round robin) wh
 the Shoal router, so both handle the same requests and each one's CPU per request is read on
 them. On two cores the router, the engines and the client share the CPU: requests/s is a floor
 set by the whole machine; CPU per request is the router's own cost. Results go between
-``<!-- requests:begin -->`` and ``<!-- requests:end -->`` of ``docs/benchmarks.md``.
+``<!-- requests:begin -->`` and ``<!-- requests:end -->`` of ``docs/benchmarks.md``. Run it with
+``python -m bench.request_rate`` (``make bench-requests``).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from typing import cast
 import httptools
 import psutil
 import uvloop
-from relay import MODEL, cpu_seconds, fleet
-from report import publish
+
+from bench.harness import publish, quantile, stamp, table
+from bench.relay import MODEL, cpu_seconds, fleet
 
 BEGIN, END = "<!-- requests:begin -->", "<!-- requests:end -->"
 
@@ -186,7 +188,7 @@ def measure(
         engine_cpu = cpu_seconds(engines) - engine_before
         front_cpu = cpu_seconds(fronts) - front_before
     done = len(tally.latencies)
-    latencies = sorted(tally.latencies)
+    latencies = tally.latencies
 
     def per_request(cpu: float) -> float:
         return cpu / done * 1e6 if done else float("nan")
@@ -203,8 +205,8 @@ def measure(
         "front_us": per_request(front_cpu) if front else float("nan"),
         "client_us": per_request(client_cpu),
         "router_cores": router_cpu / wall,
-        "p50_ms": latencies[done // 2] * 1000 if done else float("nan"),
-        "p99_ms": latencies[min(done - 1, int(0.99 * done))] * 1000 if done else float("nan"),
+        "p50_ms": quantile(latencies, 0.5) * 1000 if done else float("nan"),
+        "p99_ms": quantile(latencies, 0.99) * 1000 if done else float("nan"),
     }
     kind = "SSE " if stream else "JSON"
     label = ("vllm-router + " if front else "") + ("baseline" if router_src else "router")
@@ -235,36 +237,52 @@ def section(args: argparse.Namespace, rows: list[dict[str, float]]) -> str:
         "With vllm-router, the clients talk to the Rust `vllm-router` (round robin) whose one worker "
         "is the Shoal router: both handle the same requests.",
         "",
-        "| response | clients | in front | requests/s | Shoal router CPU per request | vllm-router CPU "
-        "per request | engines' CPU per request | latency p50 | p99 | errors |",
-        "|:--|--:|:--|--:|--:|--:|--:|--:|--:|--:|",
+        stamp(),
+        "",
     ]
-    for r in rows:
-        front = f"{r['front_us']:.0f} us" if r["front"] else "-"
-        lines.append(
-            f"| {'SSE' if r['stream'] else 'JSON'} | {r['clients']} | "
-            f"{'vllm-router' if r['front'] else '-'} | {r['requests_per_s']:,.0f} | "
-            f"{r['router_us']:.0f} us | {front} | {r['engine_us']:.0f} us | {r['p50_ms']:.2f} ms | "
-            f"{r['p99_ms']:.2f} ms | {r['errors']} |"
-        )
+    header = [
+        "response", "clients", "in front", "requests/s", "Shoal router CPU per request",
+        "vllm-router CPU per request", "engines' CPU per request", "latency p50", "p99", "errors",
+    ]  # fmt: skip
+    cells = [
+        [
+            "SSE" if r["stream"] else "JSON",
+            f"{r['clients']}",
+            "vllm-router" if r["front"] else "-",
+            f"{r['requests_per_s']:,.0f}",
+            f"{r['router_us']:.0f} us",
+            f"{r['front_us']:.0f} us" if r["front"] else "-",
+            f"{r['engine_us']:.0f} us",
+            f"{r['p50_ms']:.2f} ms",
+            f"{r['p99_ms']:.2f} ms",
+            f"{r['errors']}",
+        ]
+        for r in rows
+    ]
+    lines += table(header, "lrlrrrrrrr", cells)
     lines.append(END)
     return "\n".join(lines)
 
 
 def compare(rows: list[dict[str, float]], baseline_rows: list[dict[str, float]]) -> str:
     """A markdown table of the baseline router against this one, round by round."""
-    lines = [
-        "| response | clients | in front | requests/s, baseline | this router | router CPU per request, "
-        "baseline | this router |",
-        "|:--|--:|:--|--:|--:|--:|--:|",
+    header = [
+        "response", "clients", "in front", "requests/s, baseline", "this router",
+        "router CPU per request, baseline", "this router",
+    ]  # fmt: skip
+    cells = [
+        [
+            "SSE" if new["stream"] else "JSON",
+            f"{new['clients']}",
+            "vllm-router" if new["front"] else "-",
+            f"{old['requests_per_s']:,.0f}",
+            f"{new['requests_per_s']:,.0f}",
+            f"{old['router_us']:.0f} us",
+            f"{new['router_us']:.0f} us",
+        ]
+        for new, old in zip(rows, baseline_rows, strict=True)
     ]
-    for new, old in zip(rows, baseline_rows, strict=True):
-        lines.append(
-            f"| {'SSE' if new['stream'] else 'JSON'} | {new['clients']} | "
-            f"{'vllm-router' if new['front'] else '-'} | {old['requests_per_s']:,.0f} | "
-            f"{new['requests_per_s']:,.0f} | {old['router_us']:.0f} us | {new['router_us']:.0f} us |"
-        )
-    return "\n".join(lines)
+    return "\n".join(table(header, "lrlrrrr", cells))
 
 
 def main() -> None:

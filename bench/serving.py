@@ -53,10 +53,11 @@ a 95 % bootstrap interval.
 
 Results: ``bench/results/serving-<timestamp>.json`` (git-ignored; summaries and every request),
 the section between ``<!-- serving:begin -->`` and ``<!-- serving:end -->`` of
-``docs/benchmarks.md`` and the plot ``docs/img/serving_overhead.png``. ``--quick`` is a smoke run
+``docs/benchmarks.md``, its summaries at full precision in ``docs/notes/serving-summary.json`` and
+the plot ``docs/img/serving_overhead.png``. ``--quick`` is a smoke run
 of a few requests that leaves the docs alone.
 
-Run it with ``make bench`` (``BENCH_ARGS="--quick"`` for the smoke run).
+Run it with ``make bench`` (``python -m bench.serving``; ``BENCH_ARGS="--quick"`` for the smoke run).
 """
 
 from __future__ import annotations
@@ -71,36 +72,49 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
-import numpy as np
 import psutil
-from relay import vllm_router_binary
-from report import bootstrap_interval, update_section
 
+from bench.harness import (
+    DOCS,
+    IMG,
+    RESULTS,
+    ROOT,
+    bootstrap_interval,
+    git_commit,
+    http_ok,
+    launch,
+    port_free,
+    pyplot,
+    quantile,
+    save_plot,
+    say,
+    stamp,
+    stop_group,
+    table,
+    tail,
+    update_section,
+    vllm_router_binary,
+)
 from shoal_engine import tcmalloc
 from shoal_fleet.launcher import Fleet, FleetConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL = ROOT / ".cache" / "models" / MODEL_NAME
-RESULTS_DIR = ROOT / "bench" / "results"
-DOCS_FILE = ROOT / "docs" / "benchmarks.md"
-PLOT_FILE = ROOT / "docs" / "img" / "serving_overhead.png"
+PLOT_FILE = IMG / "serving_overhead.png"
+SUMMARY_FILE = ROOT / "docs" / "notes" / "serving-summary.json"
+"""The last published run's summaries and deltas at full precision; the section links it."""
 BEGIN, END = "<!-- serving:begin -->", "<!-- serving:end -->"
 
 TOKEN_ID_RANGE = (100, 40000)
@@ -125,11 +139,6 @@ ENGINE_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_
 fleet's engine service preloads it into vLLM's processes)."""
 MAX_NUM_SEQS = 64
 """Shoal's engine default; vLLM's server gets it too."""
-
-
-def say(line: str) -> None:
-    """One progress line, at once (``make`` pipes stdout)."""
-    print(line, flush=True)
 
 
 # ---------------------------------------------------------------- configuration and load
@@ -402,7 +411,9 @@ class Summary:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
+    """Quantile ``q`` interpolated between ranks (numpy's default, as vLLM's own benchmark
+    reports them); None when every request failed."""
+    return quantile(values, q, interpolate=True) if values else None
 
 
 def summarize(target: str, scenario: Scenario, results: list[RequestResult], wall_s: float) -> Summary:
@@ -423,12 +434,12 @@ def summarize(target: str, scenario: Scenario, results: list[RequestResult], wal
         wall_s=wall_s,
         output_tokens=tokens,
         output_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
-        ttft_p50_ms=percentile(ttft, 50),
-        ttft_p99_ms=percentile(ttft, 99),
-        tpot_p50_ms=percentile(tpot, 50),
-        tpot_p99_ms=percentile(tpot, 99),
-        e2e_p50_ms=percentile(e2e, 50),
-        e2e_p99_ms=percentile(e2e, 99),
+        ttft_p50_ms=percentile(ttft, 0.5),
+        ttft_p99_ms=percentile(ttft, 0.99),
+        tpot_p50_ms=percentile(tpot, 0.5),
+        tpot_p99_ms=percentile(tpot, 0.99),
+        e2e_p50_ms=percentile(e2e, 0.5),
+        e2e_p99_ms=percentile(e2e, 0.99),
         max_send_lag_ms=lag,
     )
 
@@ -556,22 +567,29 @@ def paired_table(paired: Paired) -> str:
         return "No paired round completed."
     ttft, ttft_lo, ttft_hi = bootstrap_interval(paired.ttft_diffs_ms(), statistics.median)
     rows = [
-        "| measure | vLLM's server | fleet | fleet - vLLM, median of the rounds [95 % interval] | target |",
-        "|---|--:|--:|--:|--:|",
-        f"| TTFT p50 | {statistics.median(paired.vllm_ttft_ms):.1f} ms | "
-        f"{statistics.median(paired.fleet_ttft_ms):.1f} ms | "
-        f"{ttft:+.1f} ms [{ttft_lo:+.1f}, {ttft_hi:+.1f}] | "
-        f"<= {TTFT_TARGET_MS:g} ms **{verdict(ttft <= TTFT_TARGET_MS)}** |",
+        [
+            "TTFT p50",
+            f"{statistics.median(paired.vllm_ttft_ms):.1f} ms",
+            f"{statistics.median(paired.fleet_ttft_ms):.1f} ms",
+            f"{ttft:+.1f} ms [{ttft_lo:+.1f}, {ttft_hi:+.1f}]",
+            f"<= {TTFT_TARGET_MS:g} ms **{verdict(ttft <= TTFT_TARGET_MS)}**",
+        ]
     ]
     if paired.vllm_tpot_ms:
         tpot, tpot_lo, tpot_hi = bootstrap_interval(paired.tpot_diffs_pct(), statistics.median)
         rows.append(
-            f"| TPOT p50 | {statistics.median(paired.vllm_tpot_ms):.2f} ms | "
-            f"{statistics.median(paired.fleet_tpot_ms):.2f} ms | "
-            f"{tpot:+.1f} % [{tpot_lo:+.1f}, {tpot_hi:+.1f}] | "
-            f"<= {TPOT_TARGET_PCT:g} % **{verdict(tpot <= TPOT_TARGET_PCT)}** |"
+            [
+                "TPOT p50",
+                f"{statistics.median(paired.vllm_tpot_ms):.2f} ms",
+                f"{statistics.median(paired.fleet_tpot_ms):.2f} ms",
+                f"{tpot:+.1f} % [{tpot_lo:+.1f}, {tpot_hi:+.1f}]",
+                f"<= {TPOT_TARGET_PCT:g} % **{verdict(tpot <= TPOT_TARGET_PCT)}**",
+            ]
         )
-    return "\n".join(rows)
+    header = [
+        "measure", "vLLM's server", "fleet", "fleet - vLLM, median of the rounds [95 % interval]", "target",
+    ]  # fmt: skip
+    return "\n".join(table(header, "-rrrr", rows))
 
 
 # ---------------------------------------------------------------- targets
@@ -606,20 +624,6 @@ def heartbeat(what: str, every_s: float = 15.0) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) != 0
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
-            return bool(reply.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 class VllmServer:
@@ -667,15 +671,7 @@ class VllmServer:
         # The fleet's engines preload tcmalloc into vLLM's processes where it is installed.
         tcmalloc.preload(env, tcmalloc.installed())
         say(f"  command: {' '.join(self.command())} (log {self.log_path})")
-        with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
-                # Its own process group, in this session: see ``Fleet.start`` on why not a session.
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                process_group=0,
-            )
+        self._proc = launch(self.command(), self.log_path, env)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -695,18 +691,6 @@ class VllmServer:
 
     def router_pid(self) -> int | None:
         return None
-
-
-def stop_group(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM a process started in a session of its own, and all it started; SIGKILL after 60 s."""
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 class VllmRouterTarget:
@@ -737,8 +721,7 @@ class VllmRouterTarget:
             "--log-level", "warning",
         ]  # fmt: skip
         say(f"  command: {' '.join(command)} (log {self.log_path})")
-        with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, process_group=0)
+        self._proc = launch(command, self.log_path)
         while not http_ok(self.base_url + "/health"):
             if self._proc.poll() is not None:
                 raise RuntimeError(f"vllm-router exited with {self._proc.returncode}; see {self.log_path}")
@@ -791,13 +774,6 @@ class FleetTarget:
             if "shoal_router.main" in cmdline and port in cmdline:
                 return int(proc.pid)
         return None
-
-
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 # ---------------------------------------------------------------- one target, end to end
@@ -934,19 +910,6 @@ def package_version(*names: str) -> str:
     return "not installed"
 
 
-def git_commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def config_json(cfg: BenchConfig) -> dict[str, Any]:
     data = dataclasses.asdict(cfg)
     data["model_path"] = str(cfg.model_path)
@@ -1002,12 +965,13 @@ def markdown_section(
     paired: Paired | None = None,
 ) -> str:
     rel_results = results_path.relative_to(ROOT)
-    rel_plot = os.path.relpath(plot_path, DOCS_FILE.parent)
+    rel_plot = os.path.relpath(plot_path, DOCS.parent)
+    rel_summary = os.path.relpath(SUMMARY_FILE, DOCS.parent)
     lines = [
         BEGIN,
         "## Serving overhead: fleet vs vLLM's own server",
         "",
-        "<!-- Written by bench/serving.py; `make bench` rewrites everything between the markers. -->",
+        "<!-- Written by bench.serving; `make bench` rewrites everything between the markers. -->",
         "",
         "The same load against vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) "
         "and against a Shoal fleet (Redis, tokenizer, router, one engine), both with one vLLM CPU engine "
@@ -1036,9 +1000,11 @@ def markdown_section(
         "**Run it:** `make bench` (`make bench BENCH_ARGS=--help` lists the options: requests, "
         "concurrency, rate, seed, `--quick`).",
         "",
+        stamp(machine["date_utc"], machine["git_commit"]),
+        "",
         f"**Machine:** {machine['nproc']} CPU(s), {machine['cpu_model']}; {machine['vllm']}, "
-        f"{machine['torch']}, Python {machine['python']}; commit {machine['git_commit']}; "
-        f"{machine['date_utc']} UTC. Ready in: vLLM {ready.get('vllm', 0):.0f} s, vllm-router + vLLM "
+        f"{machine['torch']}, Python {machine['python']}. Ready in: vLLM {ready.get('vllm', 0):.0f} s, "
+        f"vllm-router + vLLM "
         f"{ready.get('vllm-router', 0):.0f} s, fleet {ready.get('fleet', 0):.0f} s; whole run "
         f"{total_s / 60:.1f} min.",
         "",
@@ -1056,21 +1022,9 @@ def markdown_section(
         "",
         f"![TTFT and TPOT, fleet vs vLLM]({rel_plot})",
         "",
-        f"Raw results (every request): `{rel_results}` (git-ignored; rerun to regenerate).",
-        "",
-        "<details><summary>Summary JSON</summary>",
-        "",
-        "```json",
-        json.dumps(
-            {
-                "summaries": [dataclasses.asdict(s) for s in summaries],
-                "deltas": [dataclasses.asdict(d) for d in deltas],
-            },
-            indent=1,
-        ),
-        "```",
-        "",
-        "</details>",
+        f"Summaries at full precision (every percentile above, e2e p99, the rate scenario's send "
+        f"lag): [{rel_summary}]({rel_summary}). Raw results (every request): `{rel_results}` "
+        "(git-ignored; rerun to regenerate).",
         END,
     ]
     return "\n".join(lines)
@@ -1097,18 +1051,27 @@ def paired_section(cfg: BenchConfig, paired: Paired | None) -> list[str]:
 
 
 def results_table(summaries: list[Summary]) -> str:
+    header = [
+        "scenario", "target", "requests", "errors", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+        "e2e p50", "output tok/s", "wall",
+    ]  # fmt: skip
     rows = [
-        "| scenario | target | requests | errors | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-        "| e2e p50 | output tok/s | wall |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        [
+            s.label,
+            s.target,
+            str(s.requests),
+            str(s.errors),
+            ms(s.ttft_p50_ms),
+            ms(s.ttft_p99_ms),
+            ms(s.tpot_p50_ms, 2),
+            ms(s.tpot_p99_ms, 2),
+            ms(s.e2e_p50_ms, 0),
+            f"{s.output_tok_s:.1f}",
+            f"{s.wall_s:.1f} s",
+        ]
+        for s in summaries
     ]
-    for s in summaries:
-        rows.append(
-            f"| {s.label} | {s.target} | {s.requests} | {s.errors} | {ms(s.ttft_p50_ms)} | "
-            f"{ms(s.ttft_p99_ms)} | {ms(s.tpot_p50_ms, 2)} | {ms(s.tpot_p99_ms, 2)} | "
-            f"{ms(s.e2e_p50_ms, 0)} | {s.output_tok_s:.1f} | {s.wall_s:.1f} s |"
-        )
-    return "\n".join(rows)
+    return "\n".join(table(header, "--rrrrrrrrr", rows))
 
 
 def load_note(cfg: BenchConfig, summaries: list[Summary]) -> str:
@@ -1131,36 +1094,37 @@ def load_note(cfg: BenchConfig, summaries: list[Summary]) -> str:
 
 
 def deltas_table(deltas: list[Delta]) -> str:
-    rows = [
-        f"| scenario | fleet TPOT p50 overhead (target <= {TPOT_TARGET_PCT:g} %) "
-        f"| fleet TTFT p50 - vLLM's (target <= {TTFT_TARGET_MS:g} ms) |",
-        "|---|--:|--:|",
+    header = [
+        "scenario",
+        f"fleet TPOT p50 overhead (target <= {TPOT_TARGET_PCT:g} %)",
+        f"fleet TTFT p50 - vLLM's (target <= {TTFT_TARGET_MS:g} ms)",
     ]
+    rows = []
     for d in deltas:
         tpot = "n/a" if d.tpot_overhead_pct is None else f"{d.tpot_overhead_pct:+.1f} %"
         ttft = "n/a" if d.ttft_delta_ms is None else f"{d.ttft_delta_ms:+.1f} ms"
-        rows.append(
-            f"| {d.scenario} | {tpot} **{verdict(d.tpot_pass)}** | {ttft} **{verdict(d.ttft_pass)}** |"
-        )
-    return "\n".join(rows)
+        rows.append([d.scenario, f"{tpot} **{verdict(d.tpot_pass)}**", f"{ttft} **{verdict(d.ttft_pass)}**"])
+    return "\n".join(table(header, "-rr", rows))
 
 
 def router_cpu_table(runs: dict[str, TargetRun]) -> str:
     """CPU per output token of the process in front of the engine, for the targets with one."""
-    rows = [
-        "| front end | CPU over the scenarios | output tokens | CPU per output token |",
-        "|---|--:|--:|--:|",
-    ]
+    cells = []
     for name in TARGETS:
         run = runs.get(name)
         if run is None or run.router_cpu_s is None:
             continue
         per_token = run.router_us_per_token
-        rows.append(
-            f"| {'Shoal router' if name == 'fleet' else name} | {run.router_cpu_s:.2f} s | "
-            f"{sum(s.output_tokens for s in run.summaries):,} | "
-            f"{'n/a' if per_token is None else f'{per_token:.1f} us'} |"
+        cells.append(
+            [
+                "Shoal router" if name == "fleet" else name,
+                f"{run.router_cpu_s:.2f} s",
+                f"{sum(s.output_tokens for s in run.summaries):,}",
+                "n/a" if per_token is None else f"{per_token:.1f} us",
+            ]
         )
+    header = ["front end", "CPU over the scenarios", "output tokens", "CPU per output token"]
+    rows = table(header, "-rrr", cells)
     fleet, rust = runs.get("fleet"), runs.get("vllm-router")
     if fleet and rust and fleet.router_us_per_token and rust.router_us_per_token:
         rows += [
@@ -1175,17 +1139,22 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def update_docs(section: str, path: Path = DOCS_FILE) -> None:
-    update_section(section, BEGIN, END, path)
+def summary_json(summaries: list[Summary], deltas: list[Delta]) -> dict[str, Any]:
+    return {
+        "summaries": [dataclasses.asdict(s) for s in summaries],
+        "deltas": [dataclasses.asdict(d) for d in deltas],
+    }
+
+
+def update_docs(section: str, summaries: list[Summary], deltas: list[Delta]) -> None:
+    """The section into ``docs/benchmarks.md``, the summaries at full precision beside it."""
+    update_section(section, BEGIN, END, DOCS)
+    SUMMARY_FILE.write_text(json.dumps(summary_json(summaries, deltas), indent=1) + "\n")
 
 
 def plot(summaries: list[Summary], path: Path, title: str) -> None:
     """Grouped bars: one row per scenario, TTFT and TPOT side by side, p50/p99 for both targets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     scenarios = list(dict.fromkeys(s.scenario for s in summaries))
     by_key = {(s.scenario, s.target): s for s in summaries}
     colors = {"vllm": "#4C72B0", "vllm-router": "#55A868", "fleet": "#DD8452"}
@@ -1215,9 +1184,7 @@ def plot(summaries: list[Summary], path: Path, title: str) -> None:
     )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_plot(fig, path)
 
 
 # ---------------------------------------------------------------- main
@@ -1284,11 +1251,11 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     started = time.monotonic()
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    run_dir = Path(tempfile.mkdtemp(prefix=f"shoal-bench-{stamp}-"))
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    run_dir = Path(tempfile.mkdtemp(prefix=f"shoal-bench-{run_id}-"))
     machine = machine_info()
     say(
-        f"serving benchmark {stamp}: {machine['nproc']} CPU(s) {machine['cpu_model']}, {machine['vllm']}, "
+        f"serving benchmark {run_id}: {machine['nproc']} CPU(s) {machine['cpu_model']}, {machine['vllm']}, "
         f"{machine['torch']}; logs in {run_dir}"
     )
     warmup, scenarios = build_load(cfg)
@@ -1310,7 +1277,7 @@ def main(argv: list[str] | None = None) -> None:
     summaries.sort(key=lambda s: ([sc.name for sc in scenarios].index(s.scenario), TARGETS.index(s.target)))
     deltas = [delta(v, f) for v, f in zip(runs["vllm"].summaries, runs["fleet"].summaries, strict=True)]
     total_s = time.monotonic() - started
-    results_path = RESULTS_DIR / f"serving-{stamp}.json"
+    results_path = RESULTS / f"serving-{run_id}.json"
     write_json(results_path, results_payload(cfg, machine, total_s, runs, summaries, deltas, paired))
     plot_path = PLOT_FILE if cfg.write_docs else results_path.with_suffix(".png")
     plot(
@@ -1319,18 +1286,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Shoal fleet vs vLLM server (alone and behind vllm-router), 1 CPU engine, SmolLM2-135M "
         f"({machine['date_utc']})",
     )
-    say("")
-    say(results_table(summaries))
-    say("")
-    say(deltas_table(deltas))
-    say("")
-    if paired is not None:
-        say(paired_table(paired))
-        say("")
-    say(router_cpu_table(runs))
-    say("")
-    say(load_note(cfg, summaries))
-    say("")
+    tables = [results_table(summaries), deltas_table(deltas)]
+    tables += [paired_table(paired)] if paired is not None else []
+    tables += [router_cpu_table(runs), load_note(cfg, summaries)]
+    print("\n" + "\n\n".join(tables) + "\n", flush=True)
     if cfg.write_docs:
         ready = {name: run.ready_s for name, run in runs.items()}
         update_docs(
@@ -1345,9 +1304,14 @@ def main(argv: list[str] | None = None) -> None:
                 total_s,
                 router_cpu_table(runs),
                 paired,
-            )
+            ),
+            summaries,
+            deltas,
         )
-        say(f"wrote {DOCS_FILE.relative_to(ROOT)} and {plot_path.relative_to(ROOT)}")
+        say(
+            f"wrote {DOCS.relative_to(ROOT)}, {SUMMARY_FILE.relative_to(ROOT)} and "
+            f"{plot_path.relative_to(ROOT)}"
+        )
     say(
         f"results: {results_path.relative_to(ROOT)}, plot: {plot_path.relative_to(ROOT)}; "
         f"whole run {total_s:.0f} s"

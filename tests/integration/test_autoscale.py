@@ -11,12 +11,12 @@ import kmock as kmock_lib
 import kopf
 import pytest
 import redis.asyncio as aioredis
+
 from shoal_operator.autoscale import LAST_SCALE_ANNOTATION, STALE_S, Autoscaler, read_engine_loads, read_load
 from shoal_operator.children import Cluster
 from shoal_operator.kube import Kube
 from shoal_operator.scale import EngineLoad
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
-
 from shoal_protos.records import EngineRecord, EngineState, Keys, LoadReport, json_encoder
 from tests.integration.support import redis_server
 

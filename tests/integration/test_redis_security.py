@@ -25,10 +25,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from shoal_operator.children import REDIS_PORT, REDIS_START
 
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.registry import EngineRegistration
+from shoal_operator.children import REDIS_PORT, REDIS_START
 from shoal_protos.records import EngineRecord, Keys, LoadReport, state_client
 from shoal_router.ipc.fleet import FleetView
 from tests.integration.support import STALL_S, free_port

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 def test_router_cpu_per_event_has_not_regressed() -> None:
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "relay.py"), "--guard", "--tokens", "200"],
+        [sys.executable, "-m", "bench.relay", "--guard", "--tokens", "200"],
         check=False,
         capture_output=True,
         text=True,

@@ -23,13 +23,13 @@ import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
+
 from shoal_operator import scale
 from shoal_operator.autoscale import read_engine_loads
 from shoal_operator.children import Cluster
 from shoal_operator.drain import Drained, GrpcDrainer
 from shoal_operator.scale import EngineLoad, Leaving
 from shoal_operator.spec import InferenceClusterSpec
-
 from shoal_protos.records import EngineRecord
 from tests.integration.support import (
     GREEDY_IDS,

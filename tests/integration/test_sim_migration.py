@@ -55,8 +55,8 @@ def _moving_fleet(
         "--max-num-seqs", "32", "--migration", *engine_flags,
     ]  # fmt: skip
     router_args = (
-        "--scheduler", "session_affinity", "--balance", "--balance-interval", "0.2",
-        "--balance-threshold", "0.02", "--balance-cooldown", "0.5",
+        "--scheduler", "session_affinity", "--balance", "--balance-interval-s", "0.2",
+        "--balance-threshold", "0.02", "--balance-cooldown-s", "0.5",
     )  # fmt: skip
 
     def ports(_: int) -> list[str]:
@@ -213,7 +213,7 @@ def test_a_request_preempted_during_its_pre_copy_still_moves_with_every_token_on
     engine_args = [
         "--model", "llama3-8b-a100", "--sim-kv-blocks", "46", "--max-model-len", "736",
         "--max-num-seqs", "8", "--sim-speed", "0.2", "--migration",
-        "--migration-precopy-mib-per-s", "1", "--migration-step-timeout", "8",
+        "--migration-precopy-mib-per-s", "1", "--migration-step-timeout-s", "8",
     ]  # fmt: skip
     # Session affinity piles both on one engine; nothing held at the router for want of KV.
     router_args = ("--scheduler", "session_affinity", "--hold-below", "0")

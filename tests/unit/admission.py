@@ -9,6 +9,7 @@ from typing import Any
 
 import jsonschema
 import yaml
+
 from shoal_operator import crd
 from shoal_operator.cel import failures, typed
 

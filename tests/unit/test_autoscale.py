@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from shoal_operator.autoscale import Autoscaler, FleetLoad, desired_replicas
 from shoal_operator.children import Cluster
 from shoal_operator.spec import AutoscalingSpec, EngineSpec

@@ -20,9 +20,9 @@ import yaml
 from helm_python.chart import Chart, lint
 from helm_python.config import Config
 from helm_python.errors import HelmError
+
 from shoal_operator import rbac
 from shoal_operator.crd import CRD_PATH, ROOT
-
 from tests.unit.admission import admit
 
 CHART = ROOT / "charts" / "shoal"

@@ -17,9 +17,9 @@ import kubernetes_validate
 import pydantic
 import pytest
 import yaml
+
 from shoal_operator import crd
 from shoal_operator.spec import InferenceClusterSpec
-
 from tests.unit.admission import admit, crd_manifest, crd_schema
 
 SAMPLES = sorted((Path(crd.ROOT) / "operator" / "samples").glob("*.yaml"))

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
-from shoal_operator import crd as crd_module
 
+from shoal_operator import crd as crd_module
 from tests.unit.apiserver_crd import (
     PER_CALL_LIMIT,
     STATIC_ESTIMATED_COST_LIMIT,

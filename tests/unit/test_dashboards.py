@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import pytest
+
 from shoal_operator import dashboards
 
 FILES = dashboards.files()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from shoal_operator.crd import ROOT
 from shoal_operator.spec import CPU_ENGINE_IMAGE, GPU_ENGINE_IMAGE, RouterSpec, TokenizerSpec
 

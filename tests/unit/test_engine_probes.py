@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from shoal_engine.main import build_http_app
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.serving import EngineService
-from shoal_engine.sim_backend import SimConfig, SimulatedBackend
 from shoal_protos.messages import OutputBatch
+from shoal_sim.engine import SimConfig, SimulatedBackend
 
 ENGINE_ID = "engine-probes"
 

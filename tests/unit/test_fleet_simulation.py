@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from shoal_engine.sim_backend import SimConfig
-from shoal_fleet.simulation import Fleet, Simulation, Workload
 from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy
+from shoal_sim.engine import SimConfig
+from shoal_sim.fleet import Fleet, Simulation, Workload
 
 SIM = SimConfig(
     model="llama2-7b-a10", kv_blocks=512, max_num_seqs=64, max_batched_tokens=4096, max_model_len=4096

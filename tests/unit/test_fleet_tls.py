@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-from shoal_operator.reconcile import _with_generated_keys
 
 from shoal_engine import main as engine_main
+from shoal_operator.reconcile import _with_generated_keys
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import tls

@@ -24,9 +24,9 @@ import kmock as kmock_lib
 import kopf
 import pytest
 from aiohttp import web
+
 from shoal_operator import leader, main
 from shoal_operator.leader import Election, Elector, LeaseClient, LeaseConflictError, Timing
-
 from tests.integration.support import until
 
 WAIT_S = 10.0

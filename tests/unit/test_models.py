@@ -1,4 +1,4 @@
-"""Unit tests for shoal_engine.models: the local model builder (tiny model built for real)."""
+"""Unit tests for shoal_fleet.models: the local model builder (tiny model built for real)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal_engine import models
+from shoal_fleet import models
 
 
 @pytest.fixture(scope="module")

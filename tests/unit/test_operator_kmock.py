@@ -22,6 +22,7 @@ import aiohttp
 import kmock as kmock_lib
 import kopf
 import pytest
+
 from shoal_operator.children import Cluster
 from shoal_operator.drain import Drained
 from shoal_operator.handlers import CHILD_RESOURCES, register
@@ -29,7 +30,6 @@ from shoal_operator.kube import PLURALS, Kube
 from shoal_operator.reconcile import Reconciler
 from shoal_operator.scale import DELETION_COST_ANNOTATION, EngineLoad, Leaving
 from shoal_operator.spec import GROUP, KIND, PLURAL, VERSION
-
 from shoal_protos.tls import FleetTls
 from tests.integration.support import until
 from tests.unit.ssa import ApplyingEmulator

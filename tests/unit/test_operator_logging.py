@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import kopf
 import pytest
+
 from shoal_operator.main import configure_logging
 
 CLUSTER = {

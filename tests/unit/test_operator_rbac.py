@@ -9,6 +9,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from shoal_operator import rbac
 from shoal_operator.handlers import CHILD_RESOURCES
 from shoal_operator.kube import PLURALS

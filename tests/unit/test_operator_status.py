@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from shoal_operator import status
 from shoal_operator.children import Cluster
 from shoal_operator.reconcile import drifted

@@ -13,6 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+
 from shoal_operator import crd
 from shoal_operator.render import RenderError, render_file
 

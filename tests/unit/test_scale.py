@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from shoal_operator import scale, status
 from shoal_operator.children import ENGINE_CONTROL_PORT, Cluster, engine_deployment
 from shoal_operator.scale import EngineLoad, Leaving

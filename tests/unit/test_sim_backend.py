@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from shoal_engine.backend import BackendRequestError
-from shoal_engine.sim_backend import STEP_MODELS, SimBatch, SimConfig, SimRequest, SimulatedBackend, StepModel
+from shoal_engine.kv.params import KvLoad
 from shoal_protos.messages import FinishReason, SamplingOptions
+from shoal_sim.engine import STEP_MODELS, SimBatch, SimConfig, SimRequest, SimulatedBackend, StepModel
 
 FAST = 2000.0
 
@@ -209,7 +210,7 @@ async def test_a_migrated_request_with_its_kv_staged_skips_the_prefill() -> None
             "moved",
             context,
             SamplingOptions(max_tokens=50),
-            kv_params={"load": {"migration": "m1", "tokens": 100}},
+            kv_load=KvLoad(migration="m1", tokens=100),
         )
         first = asyncio.create_task(anext(moved))
         deadline = asyncio.get_running_loop().time() + 5
@@ -223,7 +224,7 @@ async def test_a_migrated_request_with_its_kv_staged_skips_the_prefill() -> None
             "again",
             context,
             SamplingOptions(max_tokens=5),
-            kv_params={"load": {"migration": "m2", "tokens": 100}},
+            kv_load=KvLoad(migration="m2", tokens=100),
         )
         assert backend.tokens_written("again") is None  # not started before iteration
         await anext(recomputed)
@@ -238,8 +239,6 @@ async def test_bad_requests_and_configs_are_refused() -> None:
     try:
         with pytest.raises(BackendRequestError, match="max_model_len"):
             await anext(backend.generate("a", list(range(60)), SamplingOptions(max_tokens=10)))
-        with pytest.raises(BackendRequestError, match="staged KV"):
-            await anext(backend.generate("a", [1], SamplingOptions(max_tokens=1), kv_params={"x": 1}))
     finally:
         backend.shutdown()
     with pytest.raises(ValueError, match="unknown step model"):

@@ -5,7 +5,7 @@ sizes one machine cannot run for real, so this runs the experiment as a discrete
 simulation in which every part that decides is Shoal's own code:
 
 * each engine is a ``SimBatch``: the simulated engine's batch, KV blocks, recompute preemption
-  and step-time model (``shoal_engine.sim_backend``), the same bookkeeping a ``--backend sim``
+  and step-time model (``shoal_sim.engine``), the same bookkeeping a ``--backend sim``
   engine process runs;
 * dispatch is the router's ``Scheduler`` over its ``EngineView`` objects, fed load reports every
   ``report_interval_s`` (the engines' report period) and told of each request sent in between,
@@ -36,12 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal_engine.migration import MIN_TOKENS_LEFT
-from shoal_engine.sim_backend import SimBatch, SimConfig, SimRequest, Step
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
 from shoal_router.core.hold import HoldLine, HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy, Balancer, Move
 from shoal_router.core.scheduling import Ask, Scheduler
+from shoal_sim.engine import SimBatch, SimConfig, SimRequest, Step
 
 ROUTER = "sim-router"
 """The simulated router's output address, which engines count its requests by."""

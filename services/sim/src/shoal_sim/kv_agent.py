@@ -32,7 +32,7 @@ from shoal_protos import kv
 from shoal_protos.addresses import zmq_bind, zmq_connect
 
 if TYPE_CHECKING:
-    from shoal_engine.sim_backend import SimulatedBackend
+    from shoal_sim.engine import SimulatedBackend
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ build leaves nothing that looks finished.
 
 Usage::
 
-    python -m shoal_engine.models --cache-dir DIR [--only smollm2|tiny]
+    python -m shoal_fleet.models --cache-dir DIR [--only smollm2|tiny]
 """
 
 from __future__ import annotations
@@ -388,7 +388,8 @@ def make_tiny_model(vocab_size: int, bos_id: int, eos_id: int) -> PreTrainedMode
 
     config = tiny_llama_config(vocab_size, bos_id, eos_id)
     torch.manual_seed(TINY_SEED)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # transformers' stubs type ``to`` as an unbound wrapper; it is the module's own ``to``.
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[call-arg,arg-type]
     model.config.dtype = torch.bfloat16
     return model.eval()
 
@@ -435,7 +436,7 @@ def build_models(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m shoal_engine.models",
+        prog="python -m shoal_fleet.models",
         description="Build Shoal's local models (SmolLM2-135M-Instruct, tiny-llama) once.",
     )
     parser.add_argument("--cache-dir", type=Path, required=True, help="folder to build into")

@@ -23,7 +23,7 @@ The model follows vLLM's continuous batching, simplified:
   the same for the same seed. There is no end-of-sequence token: a request runs to its
   ``max_tokens`` or to one of its ``stop_token_ids``. The text of a token is its id.
 
-* Migrations: with ``--migration``, the engine runs ``kv.sim_agent`` in place of the KV agent
+* Migrations: with ``--migration``, the engine runs ``shoal_sim.kv_agent`` in place of the KV agent
   in vLLM's worker. A request's KV is its context but the last sampled token; moving it takes
   ``blocks x kv_bytes_per_token x block_size / kv_gbps`` (divided by ``speed``), and a migrated
   request whose blocks were staged joins the batch with no prefill (``SimBatch.admit_moved``).
@@ -53,9 +53,11 @@ from shoal_engine.backend import (
     BackendRequestError,
     EngineTimes,
 )
-from shoal_engine.kv.sim_agent import SimStaging
+from shoal_engine.config import EngineConfig
+from shoal_engine.kv.params import KvLoad
 from shoal_protos import kv
 from shoal_protos.messages import FinishReason, SamplingOptions
+from shoal_sim.kv_agent import SimKvAgent, SimStaging
 
 logger = logging.getLogger(__name__)
 PREEMPTIONS = Counter(
@@ -434,15 +436,12 @@ class SimulatedBackend:
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
-        kv_params: dict[str, object] | None = None,
+        kv_load: KvLoad | None = None,
         priority: int = 0,
         produced: int = 0,
     ) -> AsyncGenerator[BackendOutput]:
         # ``priority`` is not used: the simulated batch admits first come, first served, as
-        # vLLM's FCFS policy does. ``kv_params`` can only bring a migration's staged KV.
-        load = (kv_params or {}).get("load")
-        if kv_params and not isinstance(load, dict):
-            raise BackendRequestError("the simulated engine takes only a migration's staged KV")
+        # vLLM's FCFS policy does.
         if len(prompt_token_ids) + sampling.max_tokens > self.config.max_model_len:
             raise BackendRequestError(
                 f"prompt ({len(prompt_token_ids)}) plus max_tokens ({sampling.max_tokens}) exceed "
@@ -465,7 +464,7 @@ class SimulatedBackend:
         )
         stream = _Stream(request)
         self._streams[request_id] = stream
-        if load is not None and await self._staged(str(load["migration"]), int(load["tokens"])):
+        if kv_load is not None and await self._staged(kv_load.migration, kv_load.tokens):
             # Its KV arrived: it joins the batch with no prefill (or waits, if the cache filled).
             request.kv_loaded = True
             reserved = self.batch.blocks(request.context + 1)
@@ -545,3 +544,34 @@ class SimulatedBackend:
             elapsed_ms = (loop.time() - started) * 1000.0
             step_ema_ms = elapsed_ms if not step_ema_ms else 0.8 * step_ema_ms + 0.2 * elapsed_ms
             self._load.step_time_ms = step_ema_ms
+
+
+def simulated_engine(config: EngineConfig) -> tuple[SimulatedBackend, SimKvAgent | None]:
+    """The simulated backend an engine of ``config`` (``--backend sim``) runs, and, with
+    ``--migration``, the KV agent that times its moves (started; the caller closes it)."""
+    sim = SimConfig(
+        model=config.model,
+        kv_blocks=config.sim_kv_blocks,
+        block_size=config.block_size or 16,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len or 8192,
+        speed=config.sim_speed,
+        seed=config.sim_seed,
+        kv_bytes_per_token=config.sim_kv_bytes_per_token,
+        kv_gbps=config.sim_kv_gbps,
+    )
+    backend = SimulatedBackend(sim)
+    if not config.migration:
+        return backend, None
+    # vLLM's worker runs the real KV agent; the simulated engine runs one that times the moves
+    # at the configured bandwidth (sped up as its steps are).
+    agent = SimKvAgent(
+        backend,
+        config.kv_agent_address,
+        config.kv_data_bind,
+        sim.block_size,
+        sim.bytes_per_block,
+        sim.kv_gbps * 1e9 * sim.speed,
+    )
+    agent.start()
+    return backend, agent
