@@ -2,12 +2,9 @@
 
 vLLM's front end primes each request's incremental detokenizer with the whole prompt
 (``DecodeStream(ids=prompt)``) when the request is added, before the engine core sees it. That
-costs time in proportion to the context: about 1.7 ms for 8,000 tokens on this project's
-machines (priming and the first two tokens, timed apart). A migrated request is admitted on its
-target with its whole context (prompt plus the outputs so far), so this cost sat in the client's
-stall and grew with the context: continuing an 8,000-token context on one SmolLM2 engine took
-9.4 ms over the usual inter-token gap with vLLM's detokenizer and 3.4 ms without it (2.2 and
-2.0 ms at 256 tokens; medians of six, each pair one after the other).
+costs time in proportion to the context. A migrated request is admitted on its target with its
+whole context (prompt plus the outputs so far), so this cost sat in the client's stall and grew
+with the context (``docs/benchmarks.md`` times the stall against context length).
 
 Owning the text fixes two things more, both on a moved request's way:
 

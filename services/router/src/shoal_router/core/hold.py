@@ -2,16 +2,15 @@
 
 An engine admits a waiting request as soon as its prompt fits in the free KV blocks, without
 counting how its running requests will grow. When they grow into a full cache, vLLM preempts the
-newest of them and recomputes it later, and the fleet's decode latency takes the blow: in the
-fleet benchmark at the highest rate 16 engines sustain, half of the fleet's preemptions
-happened with less than 4% of its KV free. The router sees every engine's freeness (Llumnix's
-KV blocks left per batch slot, ``EngineView.free``), so it can do better than the engines
-alone: while the engine dispatch would pick, and the engine with the most room as well, have less
-than ``below`` blocks per slot left once the request's prompt is counted, the request waits at
-the router, first come first served, and goes out as soon as a load report shows room, or after
-``max_s`` at most. The wait is
-bounded so that a fleet that stays full still serves (its engines queue as before), and a
-request never waits longer than a client would notice against its time to first token.
+newest of them and recomputes it later, and the fleet's decode latency takes the blow; in the
+fleet benchmark most preemptions happen when the whole fleet is nearly out of KV. The router
+sees every engine's freeness (Llumnix's KV blocks left per batch slot, ``EngineView.free``), so
+it can do better than the engines alone: while the engine dispatch would pick, and the engine
+with the most room as well, have less than ``below`` blocks per slot left once the request's
+prompt is counted, the request waits at the router, first come first served, and goes out as
+soon as a load report shows room, or after ``max_s`` at most. The wait is bounded so that a
+fleet that stays full still serves (its engines queue as before), and a request never waits
+longer than a client would notice against its time to first token.
 
 ``HoldLine`` is the line itself, with no clock and no event loop of its own: the router calls
 ``release`` after each read of the fleet (``FleetView.poll_forever``) and the fleet simulation
