@@ -26,6 +26,7 @@ import signal
 import statistics
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -43,6 +44,9 @@ DOCS = ROOT / "docs" / "reliability.md"
 PLOT = ROOT / "docs" / "images" / "chaos-memory.png"
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 MODEL = ROOT / ".cache" / "models" / "tiny-llama"
+QUIET_BEFORE_DRAIN_S = 15.0
+"""No engine is killed from this long before the drain until it ends, so that the drain measures
+moving requests, not a fleet that is restarting."""
 
 
 @cache
@@ -62,6 +66,27 @@ class Tally:
     longest_gaps: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     events: list[tuple[float, str]] = field(default_factory=list)
+    streams: list[Stream] = field(default_factory=list)
+    """Every completed stream, for the comparison with an uninterrupted run."""
+    mismatched: int = 0
+    drained: Drained | None = None
+
+
+@dataclass
+class Stream:
+    prompt: list[int]
+    max_tokens: int
+    token_ids: list[int]
+
+
+@dataclass
+class Drained:
+    engine: str
+    tried: int
+    """Requests the drain found on the engine (each move tried at least once)."""
+    moved: int
+    remaining: int
+    codes: Counter[str]
 
 
 def fleet_config(engines: int) -> FleetConfig:
@@ -91,16 +116,18 @@ async def client(
     rng = random.Random(seed)
     while time.monotonic() < stop_at:
         max_tokens = rng.randint(64, 512)
+        prompt = [rng.randrange(1, vocab_size()) for _ in range(rng.randint(4, 64))]
         body = {
             "model": "tiny-llama",
-            "prompt": [rng.randrange(1, vocab_size()) for _ in range(rng.randint(4, 64))],
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
         }
-        got, longest, last, ended = 0, 0.0, 0.0, ""
+        ids: list[int] = []
+        longest, last, ended = 0.0, 0.0, ""
         try:
             async with http.stream("POST", url + "/v1/completions", json=body) as reply:
                 if reply.status_code != 200:
@@ -125,10 +152,12 @@ async def client(
                         longest = max(longest, now - last)
                     if tokens:
                         last = now
-                    got += len(tokens)
+                    ids += tokens
         except httpx.HTTPError as exc:
             ended = type(exc).__name__
         if ended == "done":
+            got = len(ids)
+            tally.streams.append(Stream(prompt, max_tokens, ids))
             tally.completed += 1
             tally.lost += max(0, max_tokens - got)
             tally.duplicated += max(0, got - max_tokens)
@@ -147,9 +176,10 @@ def chaos(fleet: Fleet, cfg: FleetConfig, args: argparse.Namespace, started: flo
     redis_at, drain_at = started + args.duration / 3, started + 2 * args.duration / 3
     redis_done = drain_done = False
     end = started + args.duration
+    quiet_from = drain_at - QUIET_BEFORE_DRAIN_S
     while time.monotonic() < end:
         now = time.monotonic()
-        if now >= next_kill:
+        if now >= next_kill and (drain_done or now < quiet_from):
             engine = f"engine-{rng.randrange(cfg.engines)}"
             pid = fleet.pids().get(engine)
             if pid:
@@ -163,20 +193,79 @@ def chaos(fleet: Fleet, cfg: FleetConfig, args: argparse.Namespace, started: flo
             print(f"  t={now - started:.0f}s: restarted Redis", flush=True)
             redis_done = True
         if not drain_done and now >= drain_at:
-            engine = rng.randrange(cfg.engines)
-            address = f"{cfg.host}:{cfg.engine_control_base_port + engine}"
-            try:
-                with tls.channel(address, tls.load_optional(cfg.fleet_tls_dir)) as channel:
-                    result = pb_grpc.EngineControlStub(channel).Drain(
-                        pb.DrainRequest(deadline_s=20), timeout=30
-                    )
-                note = f"drained engine-{engine}: {result.migrated} moved, {result.remaining} left"
-            except grpc.RpcError as exc:
-                note = f"drain of engine-{engine} failed: {exc.code().name}"
+            note = drain(cfg, rng, tally)
             tally.events.append((time.monotonic() - started, note))
             print(f"  t={time.monotonic() - started:.0f}s: {note}", flush=True)
             drain_done = True
         time.sleep(0.2)
+
+
+def healthy_engines(cfg: FleetConfig, wait_s: float) -> list[int]:
+    """The engines whose health check passes once every engine's does, or after ``wait_s``
+    (a killed engine may still be loading): a drain of an engine that is starting moves
+    nothing, and one whose peers are starting has nowhere to move to."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        up = []
+        for engine in range(cfg.engines):
+            try:
+                reply = httpx.get(f"http://{cfg.host}:{cfg.engine_http_base_port + engine}/health", timeout=2)
+                if reply.status_code == 200:
+                    up.append(engine)
+            except httpx.HTTPError:
+                pass
+        if len(up) == cfg.engines or time.monotonic() > deadline:
+            return up
+        time.sleep(0.5)
+
+
+def drain(cfg: FleetConfig, rng: random.Random, tally: Tally) -> str:
+    """Drain one serving engine as a scale-down does (it leaves the rotation first, and comes
+    back a few seconds later since no shutdown follows); the event's note."""
+    up = healthy_engines(cfg, wait_s=QUIET_BEFORE_DRAIN_S)
+    if len(up) < 2:
+        return f"no drain: {len(up)} engine(s) serving"
+    engine = rng.choice(up)
+    address = f"{cfg.host}:{cfg.engine_control_base_port + engine}"
+    try:
+        with tls.channel(address, tls.load_optional(cfg.fleet_tls_dir)) as channel:
+            result = pb_grpc.EngineControlStub(channel).Drain(
+                pb.DrainRequest(deadline_s=20, leave_rotation=True, rejoin_after_s=5), timeout=30
+            )
+    except grpc.RpcError as exc:
+        return f"drain of engine-{engine} failed: {exc.code().name}"
+    codes = Counter(move.code or pb.Outcome.Name(move.outcome) for move in result.migrations)
+    tried = len({move.request_id for move in result.migrations})
+    tally.drained = Drained(f"engine-{engine}", tried, result.migrated, result.remaining, codes)
+    for move in result.migrations:
+        if move.outcome != pb.MIGRATED:
+            print(f"    {move.request_id}: {move.code}: {move.detail}", flush=True)
+    why = ", ".join(f"{code} {count}" for code, count in codes.most_common())
+    return f"drained engine-{engine}: {result.migrated} of {tried} moved, {result.remaining} left ({why})"
+
+
+async def compare(url: str, tally: Tally, concurrency: int) -> None:
+    """Run every completed stream's request again on the quiet fleet, one greedy completion
+    each, and count the streams whose token ids differ from it."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(http: httpx.AsyncClient, stream: Stream) -> bool:
+        body = {
+            "model": "tiny-llama",
+            "prompt": stream.prompt,
+            "max_tokens": stream.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        async with limit:
+            reply = await http.post(url + "/v1/completions", json=body)
+        reply.raise_for_status()
+        return bool(reply.json()["choices"][0]["token_ids"] != stream.token_ids)
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency + 4)) as http:
+        differ = await asyncio.gather(*(one(http, stream) for stream in tally.streams))
+    tally.mismatched = sum(differ)
 
 
 def sample_memory(
@@ -228,8 +317,11 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
         for name, points in samples.items()
         if points
     }
+    drained = tally.drained
+    moved = f"{drained.moved} of {drained.tried}" if drained else "no drain"
     totals = [
         str(tally.completed), str(tally.failed), str(tally.lost), str(tally.duplicated),
+        f"{tally.mismatched} of {len(tally.streams)}", moved,
         f"{statistics.median(gaps) * 1000:.0f} ms", f"{p99 * 1000:.0f} ms",
     ]  # fmt: skip
     header = [
@@ -237,6 +329,8 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
         "streams failed",
         "tokens lost",
         "tokens duplicated",
+        "token ids differing",
+        "drain: requests moved",
         "stall p50",
         "stall p99",
     ]
@@ -246,13 +340,15 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
         "",
         f"{args.streams} concurrent greedy streams for {args.duration} s against three tiny-model engines;",
         f"an engine SIGKILLed every {args.kill_every} s (supervisord restarts it), Redis restarted once,",
-        "one engine drained by migration.",
+        "one serving engine drained by migration as a scale-down does (no kill from "
+        f"{QUIET_BEFORE_DRAIN_S:.0f} s before it); every completed stream's token ids then compared "
+        "with the same request run again, uninterrupted, on the quiet fleet.",
         "",
         stamp(),
         "",
         *table(
             header,
-            "------",
+            "--------",
             [totals],
         ),
         "",
@@ -288,13 +384,13 @@ def main() -> None:
     args = parser.parse_args()
     cfg = fleet_config(args.engines)
     fleet = Fleet(cfg, say=lambda line: print("  " + line.strip(), flush=True))
-    print(f"[1/3] starting {args.engines} tiny-model engines", flush=True)
+    print(f"[1/4] starting {args.engines} tiny-model engines", flush=True)
     fleet.start()
     tally = Tally()
     samples: dict[str, list[tuple[float, float]]] = {}
     try:
         fleet.wait_ready(timeout_s=600)
-        print(f"[2/3] {args.streams} streams for {args.duration} s under chaos", flush=True)
+        print(f"[2/4] {args.streams} streams for {args.duration} s under chaos", flush=True)
         started = time.monotonic()
         end = started + args.duration
         threads = [
@@ -314,14 +410,17 @@ def main() -> None:
         asyncio.run(load())
         for thread in threads:
             thread.join(timeout=60)
+        print(f"[3/4] comparing {len(tally.streams)} streams with an uninterrupted run", flush=True)
+        healthy_engines(cfg, wait_s=120)
+        asyncio.run(compare(cfg.base_url, tally, args.streams))
     finally:
-        print("[3/3] stopping the fleet and writing docs/reliability.md", flush=True)
+        print("[4/4] stopping the fleet and writing docs/reliability.md", flush=True)
         fleet.stop()
     plot(samples, tally.events)
     update_section(report(args, tally, samples), BEGIN, END, DOCS)
     print(
         f"completed {tally.completed}, failed {tally.failed}, "
-        f"lost {tally.lost}, duplicated {tally.duplicated}",
+        f"lost {tally.lost}, duplicated {tally.duplicated}, token ids differing {tally.mismatched}",
         flush=True,
     )
 
