@@ -239,13 +239,18 @@ def utc_now(fmt: str = "%Y-%m-%d %H:%M") -> str:
 
 
 def git_commit() -> str:
-    """The checkout's short commit, ``+dirty`` when the working tree has changes."""
+    """The checkout's short commit, ``+dirty`` when the working tree has changes outside
+    ``docs/`` (where benchmarks write their own results and plots)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "status", "--porcelain", "--", ".", ":!docs"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
