@@ -1,5 +1,5 @@
 """Chaos run: many greedy streams for minutes while engines die, Redis restarts and an engine
-drains; counts every token each stream should have got.
+drains; checks every token each stream got.
 
     make bench-chaos                       # 64 streams, 3 minutes, an engine killed every 30 s
     make bench-chaos BENCH_ARGS="--streams 32 --duration 120 --kill-every 20"
@@ -8,11 +8,15 @@ A local fleet of three tiny-model engines (supervisord restarts a killed one) se
 that each run one streaming completion after another (seeded prompts, ``ignore_eos``, a random
 ``max_tokens`` of 64-512), so every stream must deliver exactly ``max_tokens`` token ids: fewer is
 a lost token, more a duplicate. Meanwhile: SIGKILL a random engine every ``--kill-every`` seconds,
-restart Redis once a third of the way in, and drain one engine by migration two thirds of the
-way in. Reported: streams completed and failed, tokens lost and duplicated, client-visible
-stall (each stream's longest gap between two tokens) p50/p99, and each process's memory over
-time (a plot). Requests and time are bounded; the fleet stops by itself at the end. Results go
-to ``docs/reliability.md``.
+restart Redis once a third of the way in, and, two thirds of the way in, drain a serving engine
+by migration as a scale-down does (no kill shortly before it, so that it measures moving
+requests, not a fleet that is restarting). After the load, every completed stream's request runs
+again on the quiet fleet and its token ids are compared with what the client got. Reported:
+streams completed and failed, tokens lost and duplicated, streams whose token ids differ, the
+requests the drain moved (and why the others did not move), client-visible stall (each stream's
+longest gap between two tokens) p50/p99, and each process's memory over time (a plot). Requests
+and time are bounded; the fleet stops by itself at the end. Results go to
+``docs/reliability.md``.
 """
 
 from __future__ import annotations
