@@ -1,8 +1,8 @@
 """Chaos run: many greedy streams for minutes while engines die, Redis restarts and an engine
 drains; checks every token each stream got.
 
-    make bench-chaos                       # 64 streams, 3 minutes, an engine killed every 30 s
-    make bench-chaos BENCH_ARGS="--streams 32 --duration 120 --kill-every 20"
+    make bench-chaos                       # 5 runs: 64 streams, 3 minutes, a kill every 30 s
+    make bench-chaos BENCH_ARGS="--repeats 1 --streams 32 --duration 120 --kill-every 20"
 
 A local fleet of three tiny-model engines (supervisord restarts a killed one) serves clients
 that each run one streaming completion after another (seeded prompts, ``ignore_eos``, a random
@@ -173,9 +173,11 @@ async def client(
             tally.errors[ended] = tally.errors.get(ended, 0) + 1
 
 
-def chaos(fleet: Fleet, cfg: FleetConfig, args: argparse.Namespace, started: float, tally: Tally) -> None:
+def chaos(
+    fleet: Fleet, cfg: FleetConfig, args: argparse.Namespace, started: float, tally: Tally, seed: int
+) -> None:
     """The disruptions, on a thread: kills on a schedule, one Redis restart, one drain."""
-    rng = random.Random(7)
+    rng = random.Random(seed)
     next_kill = started + args.kill_every
     redis_at, drain_at = started + args.duration / 3, started + 2 * args.duration / 3
     redis_done = drain_done = False
@@ -313,22 +315,27 @@ def plot(samples: dict[str, list[tuple[float, float]]], events: list[tuple[float
     save_plot(fig, PLOT)
 
 
-def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple[float, float]]]) -> str:
+def row(run: int, tally: Tally) -> list[str]:
     gaps = tally.longest_gaps or [0.0]
-    p99 = quantile(gaps, 0.99)
+    drained = tally.drained
+    moved = f"{drained.moved} of {drained.tried}" if drained else "no drain"
+    return [
+        str(run), str(tally.completed), str(tally.failed), str(tally.lost), str(tally.duplicated),
+        f"{tally.mismatched} of {len(tally.streams)}", moved,
+        f"{statistics.median(gaps) * 1000:.0f} ms", f"{quantile(gaps, 0.99) * 1000:.0f} ms",
+    ]  # fmt: skip
+
+
+def report(
+    args: argparse.Namespace, tallies: list[Tally], samples: dict[str, list[tuple[float, float]]]
+) -> str:
     growth = {
         name: (points[-1][1] - points[0][1], max(m for _, m in points))
         for name, points in samples.items()
         if points
     }
-    drained = tally.drained
-    moved = f"{drained.moved} of {drained.tried}" if drained else "no drain"
-    totals = [
-        str(tally.completed), str(tally.failed), str(tally.lost), str(tally.duplicated),
-        f"{tally.mismatched} of {len(tally.streams)}", moved,
-        f"{statistics.median(gaps) * 1000:.0f} ms", f"{p99 * 1000:.0f} ms",
-    ]  # fmt: skip
     header = [
+        "run",
         "streams completed",
         "streams failed",
         "tokens lost",
@@ -338,31 +345,39 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
         "stall p50",
         "stall p99",
     ]
+    errors: Counter[str] = Counter()
+    for tally in tallies:
+        errors.update(tally.errors)
     lines = [
         BEGIN,
         f"## Chaos run ({time.strftime('%Y-%m-%d')}, `make bench-chaos`)",
         "",
-        f"{args.streams} concurrent greedy streams for {args.duration} s against three tiny-model engines;",
+        f"{len(tallies)} runs, each on a fresh fleet: {args.streams} concurrent greedy streams for "
+        f"{args.duration} s against three tiny-model engines;",
         f"an engine SIGKILLed every {args.kill_every} s (supervisord restarts it), Redis restarted once,",
         "one serving engine drained by migration as a scale-down does (no kill from "
         f"{QUIET_BEFORE_DRAIN_S:.0f} s before it); every completed stream's token ids then compared "
-        "with the same request run again, uninterrupted, on the quiet fleet.",
+        "with the same request run again, uninterrupted, on the quiet fleet. Each run draws its own "
+        "prompts, lengths and kills.",
         "",
         stamp(),
         "",
-        *table(
-            header,
-            "--------",
-            [totals],
-        ),
+        *table(header, "---------", [row(run, tally) for run, tally in enumerate(tallies, 1)]),
         "",
         "Stall: each completed stream's longest gap between two tokens (a stream that moved or was",
-        "continued after its engine died shows it there).",
+        "continued after its engine died shows it there). Drain: the requests it moved of those it",
+        "found on the engine; the others ended before their turn, or their move failed (the events",
+        "say which, by code).",
         "",
         "Refusals and failures by code: "
-        + (", ".join(f"`{code}` {count}" for code, count in sorted(tally.errors.items())) or "none"),
+        + (", ".join(f"`{code}` {count}" for code, count in sorted(errors.items())) or "none"),
         "",
-        "Events: " + "; ".join(f"{t:.0f} s {what}" for t, what in tally.events),
+        *(
+            f"Events of run {run}: " + "; ".join(f"{t:.0f} s {what}" for t, what in tally.events)
+            for run, tally in enumerate(tallies, 1)
+        ),
+        "",
+        f"Memory, run {len(tallies)}:",
         "",
         *table(
             ["process", "memory at the end minus at the start", "peak"],
@@ -379,54 +394,72 @@ def report(args: argparse.Namespace, tally: Tally, samples: dict[str, list[tuple
     return "\n".join(lines)
 
 
+def run_once(
+    args: argparse.Namespace, cfg: FleetConfig, run: int
+) -> tuple[Tally, dict[str, list[tuple[float, float]]]]:
+    """One chaos run on a fresh fleet; its tally and the memory samples."""
+    fleet = Fleet(cfg, say=lambda line: print("  " + line.strip(), flush=True))
+    print(f"[run {run}/{args.repeats}: 1/4] starting {args.engines} tiny-model engines", flush=True)
+    fleet.start()
+    tally = Tally()
+    samples: dict[str, list[tuple[float, float]]] = {}
+    try:
+        fleet.wait_ready(timeout_s=600)
+        print(
+            f"[run {run}/{args.repeats}: 2/4] {args.streams} streams for {args.duration} s under chaos",
+            flush=True,
+        )
+        started = time.monotonic()
+        end = started + args.duration
+        threads = [
+            threading.Thread(target=chaos, args=(fleet, cfg, args, started, tally, 7 + run), daemon=True),
+            threading.Thread(target=sample_memory, args=(fleet, started, end, samples), daemon=True),
+        ]
+        for thread in threads:
+            thread.start()
+        seeds = range(run * 10_000, run * 10_000 + args.streams)
+
+        async def load() -> None:
+            limits = httpx.Limits(max_connections=args.streams + 8)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+                await asyncio.gather(*(client(http, cfg.base_url, seed, end, tally, 250) for seed in seeds))
+
+        asyncio.run(load())
+        for thread in threads:
+            thread.join(timeout=60)
+        print(
+            f"[run {run}/{args.repeats}: 3/4] comparing {len(tally.streams)} streams with a quiet rerun",
+            flush=True,
+        )
+        healthy_engines(cfg, wait_s=120)
+        asyncio.run(compare(cfg.base_url, tally, args.streams))
+    finally:
+        print(f"[run {run}/{args.repeats}: 4/4] stopping the fleet", flush=True)
+        fleet.stop()
+    print(
+        f"run {run}: completed {tally.completed}, failed {tally.failed}, lost {tally.lost}, "
+        f"duplicated {tally.duplicated}, token ids differing {tally.mismatched}",
+        flush=True,
+    )
+    return tally, samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--duration", type=int, default=180, help="seconds of load")
     parser.add_argument("--kill-every", type=int, default=30, help="seconds between engine kills")
     parser.add_argument("--engines", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="runs, each on a fresh fleet")
     args = parser.parse_args()
     cfg = fleet_config(args.engines)
-    fleet = Fleet(cfg, say=lambda line: print("  " + line.strip(), flush=True))
-    print(f"[1/4] starting {args.engines} tiny-model engines", flush=True)
-    fleet.start()
-    tally = Tally()
-    samples: dict[str, list[tuple[float, float]]] = {}
-    try:
-        fleet.wait_ready(timeout_s=600)
-        print(f"[2/4] {args.streams} streams for {args.duration} s under chaos", flush=True)
-        started = time.monotonic()
-        end = started + args.duration
-        threads = [
-            threading.Thread(target=chaos, args=(fleet, cfg, args, started, tally), daemon=True),
-            threading.Thread(target=sample_memory, args=(fleet, started, end, samples), daemon=True),
-        ]
-        for thread in threads:
-            thread.start()
-
-        async def load() -> None:
-            limits = httpx.Limits(max_connections=args.streams + 8)
-            async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-                await asyncio.gather(
-                    *(client(http, cfg.base_url, seed, end, tally, 50) for seed in range(args.streams))
-                )
-
-        asyncio.run(load())
-        for thread in threads:
-            thread.join(timeout=60)
-        print(f"[3/4] comparing {len(tally.streams)} streams with an uninterrupted run", flush=True)
-        healthy_engines(cfg, wait_s=120)
-        asyncio.run(compare(cfg.base_url, tally, args.streams))
-    finally:
-        print("[4/4] stopping the fleet and writing docs/reliability.md", flush=True)
-        fleet.stop()
-    plot(samples, tally.events)
-    update_section(report(args, tally, samples), BEGIN, END, DOCS)
-    print(
-        f"completed {tally.completed}, failed {tally.failed}, "
-        f"lost {tally.lost}, duplicated {tally.duplicated}, token ids differing {tally.mismatched}",
-        flush=True,
-    )
+    tallies, samples = [], {}
+    for run in range(1, args.repeats + 1):
+        tally, samples = run_once(args, cfg, run)
+        tallies.append(tally)
+    plot(samples, tallies[-1].events)
+    update_section(report(args, tallies, samples), BEGIN, END, DOCS)
+    print(f"wrote {DOCS.relative_to(ROOT)}", flush=True)
 
 
 if __name__ == "__main__":
