@@ -9,7 +9,7 @@ that each run one streaming completion after another (seeded prompts, ``ignore_e
 ``max_tokens`` of 64-512), so every stream must deliver exactly ``max_tokens`` token ids: fewer is
 a lost token, more a duplicate. Meanwhile: SIGKILL a random engine every ``--kill-every`` seconds,
 restart Redis once a third of the way in, and, two thirds of the way in, drain a serving engine
-by migration as a scale-down does (no kill shortly before it, so that it measures moving
+by migration as a scale-down does (no kill shortly before or after it, so that it measures moving
 requests, not a fleet that is restarting). After the load, every completed stream's request runs
 again on the quiet fleet and its token ids are compared with what the client got. Reported:
 streams completed and failed, tokens lost and duplicated, streams whose token ids differ, the
@@ -49,8 +49,8 @@ PLOT = ROOT / "docs" / "images" / "chaos-memory.png"
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 MODEL = ROOT / ".cache" / "models" / "tiny-llama"
 QUIET_BEFORE_DRAIN_S = 15.0
-"""No engine is killed from this long before the drain until it ends, so that the drain measures
-moving requests, not a fleet that is restarting."""
+"""No engine is killed from this long before the drain until as long after it, so that the drain
+measures moving requests, not a fleet that is restarting."""
 
 
 @cache
@@ -203,6 +203,9 @@ def chaos(
             tally.events.append((time.monotonic() - started, note))
             print(f"  t={time.monotonic() - started:.0f}s: {note}", flush=True)
             drain_done = True
+            # The drained engine is out of the rotation until it rejoins: a kill before then
+            # could leave no engine to continue streams on, which no scale-down does.
+            next_kill = max(next_kill, time.monotonic() + QUIET_BEFORE_DRAIN_S)
         time.sleep(0.2)
 
 
@@ -356,9 +359,9 @@ def report(
         f"{args.duration} s against three tiny-model engines;",
         f"an engine SIGKILLed every {args.kill_every} s (supervisord restarts it), Redis restarted once,",
         "one serving engine drained by migration as a scale-down does (no kill from "
-        f"{QUIET_BEFORE_DRAIN_S:.0f} s before it); every completed stream's token ids then compared "
-        "with the same request run again, uninterrupted, on the quiet fleet. Each run draws its own "
-        "prompts, lengths and kills.",
+        f"{QUIET_BEFORE_DRAIN_S:.0f} s before it to as long after); every completed stream's "
+        "token ids then compared with the same request run again, uninterrupted, on the quiet "
+        "fleet. Each run draws its own prompts, lengths and kills.",
         "",
         stamp(),
         "",
