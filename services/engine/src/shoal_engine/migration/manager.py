@@ -72,7 +72,9 @@ class MigrationManager:
         self.peers = Peers(config.engine_id, redis_client, keys, tls, push_ctx)
         self._stub = control_stub or self.peers.stub
         self.log = MoveLog(redis_client, keys, metrics)
-        self.target = TargetSide(config, service, load_free_blocks, self._agent, metrics, self.log)
+        self.target = TargetSide(
+            config, service, load_free_blocks, self._agent, self._agent_status, metrics, self.log
+        )
         self._drainer = Drainer(service, self.migrate, self.peers)
         self._status: kv.Status | None = None
         self._moving: set[str] = set()
@@ -192,10 +194,7 @@ class MigrationManager:
     # ---- target side --------------------------------------------------------------------------
 
     async def prepare(self, request: pb.PrepareRequest) -> pb.PrepareReply:
-        bytes_per_block = 0
-        if not self._service.draining and self._config.parallel_workers <= 1:
-            bytes_per_block = (await self._agent_status()).bytes_per_block
-        return await self.target.prepare(request, bytes_per_block)
+        return await self.target.prepare(request)
 
     async def warm(self, request: pb.WarmRequest) -> pb.WarmReply:
         return await self.target.warm(request)

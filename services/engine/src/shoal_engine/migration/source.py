@@ -310,9 +310,7 @@ class SourceMove:
         """The target admits the request: prompt and outputs so far, the KV loaded."""
         assert self._stub is not None and self._stopped is not None
         stopped = self._stopped
-        add = msgspec.structs.replace(
-            stopped.add, output_token_ids=stopped.output_ids, generation=stopped.add.generation + 1
-        )
+        add = _continued(stopped)
         self.result.total_tokens = len(add.prompt_token_ids) + len(add.output_token_ids)
         committed = await self._stub.CommitMigration(
             pb.CommitRequest(
@@ -374,9 +372,7 @@ class SourceMove:
 
     def _resume_here(self, stopped: StoppedRequest) -> None:
         """The target failed after the stop: run the request on here, after its tokens."""
-        add = msgspec.structs.replace(
-            stopped.add, output_token_ids=stopped.output_ids, generation=stopped.add.generation + 1
-        )
+        add = _continued(stopped)
         logger.warning("migration of %s failed after its stop; resuming it here", add.request_id)
         self._service.start(add)
 
@@ -391,6 +387,14 @@ class SourceMove:
                 migration_id,
                 exc.code(),
             )
+
+
+def _continued(stopped: StoppedRequest) -> AddRequest:
+    """The stopped request as it goes on (on the target, or here again): its outputs so far,
+    one generation on."""
+    return msgspec.structs.replace(
+        stopped.add, output_token_ids=stopped.output_ids, generation=stopped.add.generation + 1
+    )
 
 
 def _refusal_code(code: str) -> MoveCode:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -54,6 +54,7 @@ class TargetSide:
         service: EngineService,
         load_free_blocks: Callable[[], int],
         agent: AgentCaller,
+        agent_status: Callable[[], Awaitable[kv.Status]],
         metrics: EngineMetrics,
         log: MoveLog,
     ) -> None:
@@ -61,15 +62,16 @@ class TargetSide:
         self._service = service
         self._free_blocks = load_free_blocks
         self.agent = agent
+        self._agent_status = agent_status
         self._metrics = metrics
         self._log = log
         self._add_decoder = EngineRequestDecoder()
         self._reserved: dict[str, _Reservation] = {}
         self.arriving: dict[str, _Arriving] = {}
 
-    async def prepare(self, request: pb.PrepareRequest, bytes_per_block: int) -> pb.PrepareReply:
-        """Reserve room for the request's blocks, or refuse (``bytes_per_block``: this engine's)."""
-        refusal = self._refusal(request, bytes_per_block)
+    async def prepare(self, request: pb.PrepareRequest) -> pb.PrepareReply:
+        """Reserve room for the request's blocks, or refuse."""
+        refusal = await self._refusal(request)
         if refusal is not None:
             code, detail = refusal
             self._metrics.migrated("target", "prepare", "REFUSED", code)
@@ -80,11 +82,12 @@ class TargetSide:
         self._reserved[request.migration_id] = _Reservation(request.num_blocks + 1, expiry)
         return pb.PrepareReply(accepted=True, kv_address=self._config.kv_data_address, staging_ttl_s=ttl)
 
-    def _refusal(self, request: pb.PrepareRequest, bytes_per_block: int) -> tuple[MoveCode, str] | None:
+    async def _refusal(self, request: pb.PrepareRequest) -> tuple[MoveCode, str] | None:
         if self._service.draining:
             return MoveCode.TARGET_DRAINING, "the target is draining"
         if self._config.parallel_workers > 1:
             return MoveCode.SHARDED, SHARDED
+        bytes_per_block = (await self._agent_status()).bytes_per_block
         if request.bytes_per_block != bytes_per_block:
             return (
                 MoveCode.LAYOUT_DIFFERS,
