@@ -234,6 +234,15 @@ def own_smol_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
         yield running["smol-own"]
 
 
+@pytest.fixture(scope="module")
+def own_tp_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningFleet]:
+    """Two tiny-model engines of two vLLM workers each (tensor parallel, a core per worker)."""
+    run_dir = tmp_path_factory.mktemp("own-fleet")
+    cfg = dataclasses.replace(_fleet_config("tiny", run_dir, "tiny-tp", 4), tensor_parallel_size=2)
+    with _running({"tiny-tp": cfg}) as running:
+        yield running["tiny-tp"]
+
+
 @pytest.fixture(scope="session")
 def _reference_job(
     tmp_path_factory: pytest.TempPathFactory,

@@ -27,6 +27,7 @@ import psutil
 import redis
 import zmq
 
+from shoal_engine.kv.ranks import RANK_PORT_STRIDE
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
@@ -269,10 +270,12 @@ class RunningFleet:
         result: pb.MigrationResult = self.control(source).Migrate(request, timeout=60)
         return result
 
-    def agent(self, engine_id: str, command: kv.AgentCommand) -> kv.AgentReply:
-        """One call to an engine's KV agent (its control socket, next to its KV port)."""
+    def agent(self, engine_id: str, command: kv.AgentCommand, rank: int = 0) -> kv.AgentReply:
+        """One call to the KV agent of an engine's worker ``rank`` (its control socket, next to
+        its KV port)."""
         index = int(engine_id.rsplit("-", 1)[1])
-        address = f"tcp://{self.cfg.host}:{self.cfg.engine_kv_base_port + 2 * index + 1}"
+        worker = index * self.cfg.tensor_parallel_size + rank
+        address = f"tcp://{self.cfg.host}:{self.cfg.engine_kv_base_port + RANK_PORT_STRIDE * worker + 1}"
         with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)

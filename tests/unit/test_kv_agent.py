@@ -20,8 +20,9 @@ import torch
 import zmq
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
-from shoal_engine.kv.connector import ShoalConnector, worker_addresses
+from shoal_engine.kv.connector import ShoalConnector
 from shoal_engine.kv.data_server import MAX_SOURCES
+from shoal_engine.kv.ranks import worker_addresses
 from shoal_engine.kv.transport import Transport, TransportError, check_backend, runs, write_message
 from shoal_protos import kv, tls
 from shoal_protos.messages import RequestPiece

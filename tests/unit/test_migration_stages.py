@@ -28,6 +28,7 @@ from shoal_engine.migration import (
     mean_step_ms,
     target_phases_ms,
 )
+from shoal_engine.migration.workers import WorkerAgents
 from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
@@ -385,36 +386,128 @@ def test_the_target_times_the_hand_over_from_the_commit_to_the_first_token_in_fo
     assert target_phases_ms(10.0, None, 10.046) == {}
 
 
+@dataclass
+class RankedTarget(PlayedTarget):
+    """A target that keeps every prepare it got (to read the layout the source declared)."""
+
+    prepares: list[pb.PrepareRequest] = field(default_factory=list)
+
+    async def PrepareMigration(self, request: pb.PrepareRequest, timeout: float) -> pb.PrepareReply:  # noqa: N802, ASYNC109
+        self.prepares.append(request)
+        return await super().PrepareMigration(request, timeout)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
-async def test_an_engine_of_several_workers_refuses_to_move_its_requests(
+async def test_an_engine_of_two_workers_sends_each_shard_to_the_same_rank_on_the_target(
     redis_client: aioredis.Redis, parallel: dict[str, int]
 ) -> None:
-    """Rank 0's agent holds one shard of the KV: a move through it alone would corrupt the
-    request on its target. Refused, with the reason, before anything is asked of the target."""
-    agent, service, target = PlayedAgent(stages=[], final=_sent(0, 1, 1)), PlayedService("r1"), PlayedTarget()
-    result = await _move(redis_client, agent, service, target, **parallel)
-    assert (result.outcome, result.code) == (pb.REFUSED, MoveCode.SHARDED), result
-    assert "rank to rank" in result.detail
-    assert agent.commands == [] and not target.commits and not service.handed_over
+    """Each worker's agent holds one shard of the KV: every send, hold and release goes to
+    every rank, each rank's send to the same rank of the target (its ports two past rank 0's),
+    and the move counts the bytes of both shards. The target learns how the source splits it."""
+    ranks = [
+        PlayedAgent(stages=[_sent(0, 8, 130)], final=_sent(8, 3, 163)),
+        PlayedAgent(stages=[_sent(0, 8, 130)], final=_sent(8, 3, 163)),
+    ]
+    agents = WorkerAgents(ranks, parallel.get("tensor_parallel_size", 1))
+    service, target = PlayedService("r1"), RankedTarget()
+    result = await _move(redis_client, agents, service, target, **parallel)  # type: ignore[arg-type]
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result
+    for rank, agent in enumerate(ranks):
+        targets = {c.target for c in agent.commands if isinstance(c, kv.SendBlocks)}
+        assert targets == {f"tcp://127.0.0.1:{2 + 2 * rank}"}, (rank, targets)
+        assert agent.sends() == [(0, False), (8, True)]
+        kinds = [type(c).__name__ for c in agent.commands if isinstance(c, kv.Hold | kv.Release)]
+        assert kinds == ["Hold", "Release"], (rank, kinds)
+    # Both shards' bytes, each rank's blocks once.
+    assert (result.blocks, result.bytes, result.kv_tokens) == (11, 2 * 11 * BYTES_PER_BLOCK, 163)
+    (prepare,) = target.prepares
+    layout = (prepare.tensor_parallel_size, prepare.pipeline_parallel_size)
+    assert layout == (parallel.get("tensor_parallel_size", 1), parallel.get("pipeline_parallel_size", 1))
+    assert prepare.bytes_per_block == 2 * BYTES_PER_BLOCK
 
 
 @pytest.mark.asyncio
-async def test_an_engine_of_several_workers_refuses_to_take_a_request_in(
-    redis_client: aioredis.Redis,
+async def test_a_stage_goes_on_from_the_rank_that_sent_fewest_blocks(redis_client: aioredis.Redis) -> None:
+    """One rank had written a step more than the other when the stage read its table: the next
+    stage starts where the slower rank stopped, and the commit loads what both ranks have."""
+    ranks = [
+        PlayedAgent(stages=[_sent(0, 8, 130), _sent(8, 1, 147)], final=_sent(9, 2, 163)),
+        PlayedAgent(stages=[_sent(0, 7, 120), _sent(7, 2, 147)], final=_sent(9, 2, 162)),
+    ]
+    service, target = PlayedService("r1"), PlayedTarget()
+    result = await _move(redis_client, WorkerAgents(ranks, 2), service, target, tensor_parallel_size=2)  # type: ignore[arg-type]
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result
+    assert ranks[0].sends() == ranks[1].sends() == [(0, False), (7, False), (9, True)]
+    assert result.kv_tokens == 162
+
+
+@pytest.mark.asyncio
+async def test_a_release_reaches_every_rank_when_one_rank_fails() -> None:
+    """vLLM frees a request's blocks only when all its workers let go: a rank whose agent fails
+    a release must not keep the others from getting it; the failure is raised after."""
+
+    @dataclass
+    class Failing(PlayedAgent):
+        async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
+            self.commands.append(command)
+            raise MigrationError("KV agent did not answer within 1 s")
+
+    ok, failing = PlayedAgent(stages=[], final=_sent(0, 0, 0)), Failing(stages=[], final=_sent(0, 0, 0))
+    agents = WorkerAgents([failing, ok])
+    with pytest.raises(MigrationError, match="did not answer"):
+        await agents.call(kv.Release(request_id="r1"))
+    assert ok.commands == [kv.Release(request_id="r1")] == failing.commands
+
+
+@pytest.mark.asyncio
+async def test_the_status_of_a_sharded_engine_counts_a_block_over_all_shards() -> None:
+    def status(layers: int, width: int) -> kv.Status:
+        return kv.Status(BLOCK, layers, width, {"m": 1}, width, 1, 1)
+
+    class Fixed:
+        def __init__(self, reply: kv.Status) -> None:
+            self.reply = reply
+
+        async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
+            return self.reply
+
+    # TP 2 x PP 2: the ranks of one stage hold the same 3 layers, each half their heads.
+    agents = WorkerAgents([Fixed(status(3, 100)) for _ in range(4)], tensor_parallel_size=2)
+    combined = await agents.call(kv.AgentStatus())
+    assert isinstance(combined, kv.Status)
+    assert (combined.num_layers, combined.bytes_per_block, combined.staged_bytes) == (6, 400, 400)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("source", "here"),
+    [((1, 1), {"tensor_parallel_size": 2}), ((2, 1), {}), ((2, 1), {"pipeline_parallel_size": 2})],
+)
+async def test_a_target_split_otherwise_refuses_the_move_with_both_layouts(
+    redis_client: aioredis.Redis, source: tuple[int, int], here: dict[str, int]
 ) -> None:
-    config = EngineConfig(
-        model="m", served_model_name="m", engine_id="t", backend="sim", tensor_parallel_size=2
-    )
+    config = EngineConfig(model="m", served_model_name="m", engine_id="t", backend="sim", **here)
     service = PlayedService("r1")
     service.draining = False  # type: ignore[attr-defined]
     metrics = EngineMetrics("t", "m")
-    manager = MigrationManager(config, service, lambda: 100, redis_client, Keys("c"), metrics)  # type: ignore[arg-type]
+    agent = PlayedAgent(stages=[], final=_sent(0, 0, 0))
+    manager = MigrationManager(config, service, lambda: 100, redis_client, Keys("c"), metrics, agent=agent)  # type: ignore[arg-type]
     try:
-        reply = await manager.prepare(pb.PrepareRequest(migration_id="m", request_id="r1", num_blocks=1))
+        reply = await manager.prepare(
+            pb.PrepareRequest(
+                migration_id="m",
+                request_id="r1",
+                num_blocks=1,
+                bytes_per_block=BYTES_PER_BLOCK,
+                tensor_parallel_size=source[0],
+                pipeline_parallel_size=source[1],
+            )
+        )
     finally:
         await manager.aclose()
-    assert (reply.accepted, reply.code) == (False, MoveCode.SHARDED) and "rank to rank" in reply.detail
+    assert (reply.accepted, reply.code) == (False, MoveCode.SHARDED), reply
+    assert f"TP {source[0]} x PP {source[1]}" in reply.detail and "same rank" in reply.detail
 
 
 class ArrivingService:

@@ -149,3 +149,24 @@ def test_the_command_prints_yaml_for_kubectl_diff() -> None:
     )  # fmt: skip
     kinds = [doc["kind"] for doc in yaml.safe_load_all(done.stdout)]
     assert "Deployment" in kinds and "ServiceMonitor" not in kinds
+
+
+@pytest.mark.parametrize(
+    ("env", "bind"),
+    [([], "nobind"), ([{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0-3|4-7"}], "0-3|4-7")],
+)
+def test_cpu_engines_of_two_workers_start_without_a_numa_node_each(
+    tmp_path: Path, env: list[dict[str, str]], bind: str
+) -> None:
+    """vLLM's CPU build binds each worker to a NUMA node of its own unless told otherwise, and
+    refuses to start with more workers than nodes: the operator leaves its workers unbound,
+    unless the spec's env binds them itself (then its binding alone)."""
+    cluster = yaml.safe_load((Path(crd.ROOT) / "operator" / "samples" / "minimal.yaml").read_text())
+    cluster["spec"]["engine"] = {"tensorParallelSize": 2, "env": env}
+    path = tmp_path / "cpu-tp2.yaml"
+    path.write_text(yaml.safe_dump(cluster))
+    (engine,) = _engine_pod(_render(path))["containers"]
+    binds = [e["value"] for e in engine["env"] if e["name"] == "VLLM_CPU_OMP_THREADS_BIND"]
+    assert binds == [bind]
+    args = engine["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"

@@ -118,6 +118,11 @@ def _engine_args(cluster: Cluster) -> list[str]:
     return args
 
 
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+"""Where vLLM's CPU build binds each worker's threads: ``nobind``, ``auto``, or cores per worker
+separated by ``|``."""
+
+
 def engine_deployment(cluster: Cluster) -> Manifest:
     spec, engine = cluster.spec, cluster.spec.engine
     args = _engine_args(cluster)
@@ -132,6 +137,13 @@ def engine_deployment(cluster: Cluster) -> Manifest:
     env = POD_ENV + redis_env(cluster) + model_env
     if engine.gpus == 0:
         env.append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(engine.kv_cache_gib)})
+        workers = engine.tensor_parallel_size * engine.pipeline_parallel_size
+        if workers > 1 and not any(e.get("name") == CPU_BIND for e in engine.env):
+            # vLLM's CPU build binds each worker's threads to a NUMA node of its own by default,
+            # and refuses to start with more workers than the pod has NUMA nodes; the pod's
+            # cores are not known here, so its workers share them unbound unless the spec's env
+            # names a binding ("0-3|4-7").
+            env.append({"name": CPU_BIND, "value": "nobind"})
     env += engine.env
     container = {
         "name": "engine",

@@ -27,7 +27,9 @@ class MoveCode(StrEnum):
 
     # REFUSED: the move did not start; the request runs on where it was.
     SHARDED = "sharded"
-    """An engine of several vLLM workers (tensor or pipeline parallel) does not move requests."""
+    """Source and target split the KV cache over their vLLM workers differently (tensor or
+    pipeline parallel sizes differ): each worker's shard goes to the same rank, so both must
+    split it alike."""
     NO_TARGET = "no_target"
     """No other active engine to move to."""
     TARGET_REFUSED = "target_refused"

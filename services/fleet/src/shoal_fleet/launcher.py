@@ -38,6 +38,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from supervisor.xmlrpc import SupervisorTransport
 
+from shoal_engine.kv.ranks import RANK_PORT_STRIDE
 from shoal_fleet.cpu import cpu_flags, native_dtype
 from shoal_protos import curve, tls
 from shoal_protos.addresses import host_port, http_url
@@ -58,6 +59,9 @@ class FleetConfig:
     """Where the supervisord configuration, pid file and logs go."""
     engines: int = 2
     """Number of vLLM engines."""
+    tensor_parallel_size: int = 1
+    """vLLM workers per engine, each holding a share of every layer's heads and of the KV
+    cache (on the CPU, one core each, over vLLM's shared-memory collectives)."""
     cluster: str = "local"
     """Prefix of every Redis key of this fleet."""
     host: str = "127.0.0.1"
@@ -70,7 +74,8 @@ class FleetConfig:
     engine_control_base_port: int = 5800
     """Engine i serves gRPC EngineControl on this port + i."""
     engine_kv_base_port: int = 5900
-    """Engine i's KV agent takes this port + 2i (data) and + 2i + 1 (control)."""
+    """Engine i's KV agents take ports from this port + 2i x tensor_parallel_size: each worker
+    of the engine two (data, then control; ``shoal_engine.kv.ranks``)."""
     zmq_curve_key_file: Path | None = None
     """The fleet's CURVE key file (``shoal_protos.curve``): router-engine frames are encrypted and
     only fleet members connect. None: plain ZeroMQ."""
@@ -291,7 +296,10 @@ def engine_command(cfg: FleetConfig, index: int) -> list[str]:
         command += [
             "--migration",
             *("--control-port", str(cfg.engine_control_base_port + index)),
-            *("--kv-port", str(cfg.engine_kv_base_port + 2 * index)),
+            *(
+                "--kv-port",
+                str(cfg.engine_kv_base_port + RANK_PORT_STRIDE * cfg.tensor_parallel_size * index),
+            ),
             *("--block-size", str(cfg.kv_block_size)),
             *("--migration-step-timeout-s", str(cfg.migration_step_timeout_s)),
             *("--migration-precopy-mib-per-s", str(cfg.migration_precopy_mib_per_s)),
@@ -301,6 +309,8 @@ def engine_command(cfg: FleetConfig, index: int) -> list[str]:
             command.append("--kv-debug-reads")
     if cfg.max_model_len:
         command += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     return command + _curve_args(cfg) + _tls_args(cfg)
 
 
@@ -309,7 +319,10 @@ def _engine_program(cfg: FleetConfig, index: int, cores: int) -> str:
         **_common_env(cfg),
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
+        # One core per worker, its workers' cores apart ("0|1" for two).
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+            str((index * cfg.tensor_parallel_size + rank) % cores) for rank in range(cfg.tensor_parallel_size)
+        ),
     }
     name = cfg.engine_id(index)
     return _program(

@@ -47,22 +47,8 @@ from vllm.v1.request import RequestStatus
 
 from shoal_engine.kv.agent import KvAgent, Load, TableUpdate
 from shoal_engine.kv.params import ConnectorSettings, KvParams
-from shoal_protos.addresses import split_host_port, tcp_url
+from shoal_engine.kv.ranks import worker_addresses
 from shoal_protos.tls import load_optional
-
-
-def worker_addresses(control: str, data: str, rank: int) -> tuple[str, str]:
-    """The KV agent addresses of worker ``rank``: rank 0's as given, each further rank's two
-    ports past the one before (data ``kv_port + 2 * rank``, control one above), so that the
-    workers of one engine never ask for the same port."""
-    if rank == 0:
-        return control, data
-    addresses = []
-    for address in (control, data):
-        host, port = split_host_port(address)
-        addresses.append(tcp_url(host, port + 2 * rank))
-    return addresses[0], addresses[1]
-
 
 KV_CACHE_LAYOUT = "LBHNC"
 """The KV cache layout the connector asks vLLM for (a ``vllm.v1.kv_cache_layout.KVCacheLayout``

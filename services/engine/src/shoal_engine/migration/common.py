@@ -21,13 +21,15 @@ MIN_TOKENS_LEFT = 16
 """A request the engine picks to move must have this many tokens still to generate (moving one
 about to finish costs more than it saves)."""
 
-SHARDED = (
-    "tensor- or pipeline-parallel engines do not move requests yet: each worker holds a shard of "
-    "the KV cache, and the shards would have to go rank to rank"
-)
-"""Why an engine of several vLLM workers refuses moves, out and in. Each worker's KV agent
-serves its own shard (on ports offset by its rank); a move through rank 0's alone would copy
-part of the KV and corrupt the request on its target."""
+
+def sharded(source: tuple[int, int], here: tuple[int, int]) -> str:
+    """Why a target refuses a source whose KV cache is split over its workers otherwise
+    (``(tensor parallel size, pipeline parallel size)`` of each)."""
+    return (
+        f"the source splits its KV cache over TP {source[0]} x PP {source[1]} workers, this engine "
+        f"over TP {here[0]} x PP {here[1]}: each worker's shard goes to the same rank, so both must "
+        "split it alike"
+    )
 
 
 class MigrationError(Exception):

@@ -17,9 +17,7 @@ from shoal_engine.config import EngineConfig
 from shoal_engine.metrics import EngineMetrics
 from shoal_engine.migration.common import (
     MIN_TOKENS_LEFT,
-    SHARDED,
     AgentCaller,
-    AgentClient,
     MigrationError,
     MoveEndedError,
 )
@@ -28,6 +26,7 @@ from shoal_engine.migration.peers import Peers
 from shoal_engine.migration.records import MoveLog
 from shoal_engine.migration.source import SourceMove, failure_code
 from shoal_engine.migration.target import TargetSide
+from shoal_engine.migration.workers import WorkerAgents
 from shoal_engine.serving import EngineService
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
@@ -66,8 +65,16 @@ class MigrationManager:
         self._service = service
         self._metrics = metrics
         self._ctx = zmq.asyncio.Context()
-        self._agent_client = AgentClient(self._ctx, config.kv_agent_address, config.migration_step_timeout_s)
-        self._agent: AgentCaller = agent or self._agent_client
+        # Every vLLM worker's agent, for its shard of the KV cache (one on a simulated engine,
+        # whose own agent stands in for them all).
+        self._agents = WorkerAgents.connect(
+            self._ctx,
+            config.kv_agent_address,
+            config.parallel_workers if config.backend == "vllm" else 1,
+            config.tensor_parallel_size if config.backend == "vllm" else 1,
+            config.migration_step_timeout_s,
+        )
+        self._agent: AgentCaller = agent or self._agents
         push_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         self.peers = Peers(config.engine_id, redis_client, keys, tls, push_ctx)
         self._stub = control_stub or self.peers.stub
@@ -159,8 +166,6 @@ class MigrationManager:
             moved = self._service.moved_to(request_id)
             where = f" (it moved to {moved})" if moved else ""
             return MoveCode.NOT_RUNNING, f"the request is not running here{where}"
-        if self._config.parallel_workers > 1:
-            return MoveCode.SHARDED, SHARDED
         return None
 
     async def drain(self, deadline_s: float) -> pb.DrainResult:
@@ -209,7 +214,7 @@ class MigrationManager:
         self.stop_rejoining()
         self.target.close()
         await self.peers.aclose()
-        self._agent_client.close()
+        self._agents.close()
         self._ctx.destroy(linger=0)
 
 

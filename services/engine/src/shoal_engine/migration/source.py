@@ -172,6 +172,8 @@ class SourceMove:
                 num_blocks=math.ceil(tokens / self._block),
                 max_blocks=math.ceil(max_tokens / self._block),
                 bytes_per_block=status.bytes_per_block,
+                tensor_parallel_size=self._config.tensor_parallel_size,
+                pipeline_parallel_size=self._config.pipeline_parallel_size,
             ),
             timeout=self._timeout,
         )

@@ -18,7 +18,7 @@ from shoal_engine.config import EngineConfig
 from shoal_engine.ipc.sockets import valid_reply_to
 from shoal_engine.kv.params import KvLoad
 from shoal_engine.metrics import EngineMetrics
-from shoal_engine.migration.common import SHARDED, AgentCaller, MigrationError, target_phases_ms
+from shoal_engine.migration.common import AgentCaller, MigrationError, sharded, target_phases_ms
 from shoal_engine.migration.records import MoveLog
 from shoal_engine.serving import EngineService
 from shoal_protos import engine_control_pb2 as pb
@@ -85,8 +85,11 @@ class TargetSide:
     async def _refusal(self, request: pb.PrepareRequest) -> tuple[MoveCode, str] | None:
         if self._service.draining:
             return MoveCode.TARGET_DRAINING, "the target is draining"
-        if self._config.parallel_workers > 1:
-            return MoveCode.SHARDED, SHARDED
+        config = self._config
+        here = (config.tensor_parallel_size, config.pipeline_parallel_size)
+        source = (request.tensor_parallel_size or 1, request.pipeline_parallel_size or 1)
+        if source != here:
+            return MoveCode.SHARDED, sharded(source, here)
         bytes_per_block = (await self._agent_status()).bytes_per_block
         if request.bytes_per_block != bytes_per_block:
             return (
