@@ -24,6 +24,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 KEY_VERSION = "v1"
 
@@ -212,12 +213,15 @@ def default_redis_url() -> str:
 def state_client(url: str, timeout_s: float) -> aioredis.Redis:
     """A Redis client for fleet state, for loops that write or read it every few tens of ms.
 
-    Every call fails after ``timeout_s`` and is not retried: the loop's next tick is the retry,
-    and a call stuck in backoff would hold a heartbeat back past its TTL.
+    A call that finds its pooled connection closed by the server (Redis restarted, or dropped
+    the client) is tried once more at once, on a new connection: otherwise the first call on
+    every pooled connection after a restart fails, a move or a drain among them. Anything else
+    fails after ``timeout_s`` and is not retried: the loop's next tick is the retry, and a call
+    stuck in backoff would hold a heartbeat back past its TTL.
     """
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
