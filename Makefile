@@ -116,8 +116,13 @@ format: setup ## Format the code with ruff
 	$(VENV)/bin/ruff check --fix .
 
 .PHONY: bench
-bench: setup models ## Fleet vs vLLM's own OpenAI server, same load; writes docs/benchmarks.md
+bench: setup models ## Fleet vs vLLM's own server, then two engines vs vllm-router + two vllm serve; writes docs/benchmarks.md
 	$(PY) -m bench.serving $(BENCH_ARGS)
+	$(PY) -m bench.peer $(PEER_ARGS)
+
+.PHONY: bench-peer
+bench-peer: setup models ## Two engines vs vllm-router (power_of_two) + two vllm serve, same load, one run; writes docs/benchmarks.md
+	$(PY) -m bench.peer $(PEER_ARGS)
 
 .PHONY: bench-operator
 bench-operator: setup ## Operator reconcile cost against kmock (API calls, writes, time); writes docs/benchmarks.md

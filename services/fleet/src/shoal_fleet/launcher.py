@@ -120,6 +120,12 @@ class FleetConfig:
     """Restart a process that exits unexpectedly (off in tests that kill engines on purpose)."""
     python: str = sys.executable
     extra_env: dict[str, str] = field(default_factory=dict)
+    engine_args: tuple[str, ...] = ()
+    """Flags added to every engine's command line (``EngineConfig``'s fields), after the
+    launcher's own."""
+    router_args: tuple[str, ...] = ()
+    """Flags added to the router's command line (``RouterConfig``'s fields), after the
+    launcher's own."""
 
     @property
     def redis_url(self) -> str:
@@ -311,7 +317,7 @@ def engine_command(cfg: FleetConfig, index: int) -> list[str]:
         command += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.tensor_parallel_size > 1:
         command += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    return command + _curve_args(cfg) + _tls_args(cfg)
+    return command + _curve_args(cfg) + _tls_args(cfg) + list(cfg.engine_args)
 
 
 def _engine_program(cfg: FleetConfig, index: int, cores: int) -> str:
@@ -351,6 +357,7 @@ def router_command(cfg: FleetConfig) -> list[str]:
         *("--engine-silence-grace-s", str(cfg.engine_silence_grace_s)),
         *_curve_args(cfg),
         *_tls_args(cfg),
+        *cfg.router_args,
     ]
 
 
