@@ -120,6 +120,10 @@ bench: setup models ## Fleet vs vLLM's own server, then two engines vs vllm-rout
 	$(PY) -m bench.serving $(BENCH_ARGS)
 	$(PY) -m bench.peer $(PEER_ARGS)
 
+.PHONY: bench-overlap
+bench-overlap: setup models ## Client-visible stall of moves alone and eight at once; writes docs/benchmarks.md
+	$(PY) -m bench.overlap $(BENCH_ARGS)
+
 .PHONY: bench-peer
 bench-peer: setup models ## Two engines vs vllm-router (power_of_two) + two vllm serve, same load, one run; writes docs/benchmarks.md
 	$(PY) -m bench.peer $(PEER_ARGS)
