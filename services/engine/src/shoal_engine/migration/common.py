@@ -4,7 +4,11 @@ arithmetic of its measurements."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import time
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import zmq
@@ -51,18 +55,69 @@ class AgentCaller(Protocol):
     async def call(self, command: kv.AgentCommand) -> kv.AgentReply: ...
 
 
+class Turns:
+    """One holder at a time; those waiting get their turn by priority (lower first), then in the
+    order they came."""
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, priority: int) -> AsyncIterator[None]:
+        if self._busy:
+            handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (priority, next(self._order), handed))
+            try:
+                await handed
+            except asyncio.CancelledError:
+                if handed.done() and not handed.cancelled():
+                    self._pass_on()  # handed the turn as it was cancelled: the next one takes it
+                raise
+        else:
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        while self._waiting:
+            _, _, handed = heapq.heappop(self._waiting)
+            if not handed.done():  # not cancelled while it waited
+                handed.set_result(None)
+                return
+        self._busy = False
+
+
+def call_priority(command: kv.AgentCommand) -> int:
+    """Which of the calls waiting for the KV agent goes first. A stopped request waits for its
+    last stage and its release (its stream is stalled until the target takes over), so those go
+    before the stops (holds) of other moves, which go before pre-copy stages and the rest: with
+    several moves at once, a move's stall is not spent behind other moves' pre-copies."""
+    if isinstance(command, kv.SendBlocks):
+        return 0 if command.partial else 2
+    if isinstance(command, kv.Release):
+        return 0
+    if isinstance(command, kv.Hold):
+        return 1
+    return 2
+
+
 class AgentClient:
-    """The engine service's line to its KV agent (a REQ socket; one call at a time)."""
+    """The engine service's line to its KV agent (a REQ socket; one call at a time, the most
+    urgent of those waiting next: ``call_priority``)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, timeout_s: float) -> None:
         self._ctx = ctx
         self._address = address
         self._timeout_s = timeout_s
-        self._lock = asyncio.Lock()
+        self._turns = Turns()
         self._sock: zmq.asyncio.Socket | None = None
 
     async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
-        async with self._lock:
+        async with self._turns.turn(call_priority(command)):
             if self._sock is None:
                 self._sock = self._ctx.socket(zmq.REQ)
                 self._sock.setsockopt(zmq.LINGER, 0)
