@@ -183,6 +183,17 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[object]]:
     return out
 
 
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The target, scene by scene (the scenes of several moves at once)."""
+    parts = []
+    for scene in SCENES[1:]:
+        gaps = [r["stall_gaps"] for r in rows if r["scene"] == scene]
+        if gaps:
+            p99 = quantile(gaps, 0.99)
+            parts.append(f"`{scene}` {p99:.1f} usual gaps, {'met' if p99 <= GOAL_GAPS else 'not met'}")
+    return f"Target, stall p99 <= {GOAL_GAPS:g} usual gaps: " + "; ".join(parts) + "."
+
+
 def section(args: argparse.Namespace, rows: list[dict[str, Any]], measured: str, command: str) -> str:
     return "\n".join(
         [
@@ -218,6 +229,8 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], measured: str,
                 "lrrrrrrrrrr",
                 summary_rows(rows),
             ),
+            "",
+            verdict(rows),
             END,
         ]
     )
