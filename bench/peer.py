@@ -96,6 +96,7 @@ FLEET_PORTS = {
 """Away from ``make run``'s defaults and from ``bench.serving``'s."""
 GOALS = {"throughput": 1.0, "ttft_p99": 0.8, "tpot_p99": 1.0}
 """Fleet / peer: at least the first, at most the others."""
+LABELS = {"throughput": "throughput", "ttft_p99": "TTFT p99", "tpot_p99": "TPOT p99"}
 
 
 class PeerFleet:
@@ -274,8 +275,16 @@ def section(
     """The docs section; ``measured``: the stamp line of the run (its commit and time)."""
     ratio = ratios(totals["fleet"], totals["peer"])
     passed = met(ratio)
-    rows = [row(f"round {r.index + 1} {t}", r.summaries[t]) for r in rounds for t in r.order]
-    rows += [row(f"**all rounds, {t}**", totals[t]) for t in TARGETS]
+    rows = [row(f"{t}, all rounds", totals[t]) for t in TARGETS]
+    per_round = "; ".join(
+        f"round {r.index + 1} ({' first, '.join(r.order)} second): "
+        + ", ".join(
+            f"{LABELS[k]} {v:.2f}x"
+            for k, v in ratios(r.summaries["fleet"], r.summaries["peer"]).items()
+            if k in GOALS
+        )
+        for r in rounds
+    )
     goal_rows = [
         [
             "throughput",
@@ -317,6 +326,8 @@ def section(
             "lrrrrrrr",
             rows,
         ),
+        "",
+        f"Fleet / peer round by round: {per_round}.",
         "",
         "Fleet / peer over all rounds, against the targets:",
         "",
