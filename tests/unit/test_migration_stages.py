@@ -158,6 +158,7 @@ async def _move(
     service: PlayedService,
     target: PlayedTarget,
     metrics: EngineMetrics | None = None,
+    reason: str = "admin",
     **settings: Any,
 ) -> pb.MigrationResult:
     config = EngineConfig(
@@ -194,7 +195,7 @@ async def _move(
         control_stub=lambda address: target,  # type: ignore[arg-type,return-value]
     )
     try:
-        result = await manager.migrate(service.request_id, "target", "admin")
+        result = await manager.migrate(service.request_id, "target", reason)
         # The move's record, written to Redis after it ended, says how it went.
         deadline = time.monotonic() + 5
         while (raw := await redis_client.get(keys.migration(result.migration_id))) is None:
@@ -480,6 +481,28 @@ async def test_the_status_of_a_sharded_engine_counts_a_block_over_all_shards() -
 
 
 @pytest.mark.asyncio
+async def test_a_target_split_otherwise_takes_a_move_without_kv(redis_client: aioredis.Redis) -> None:
+    config = EngineConfig(
+        model="m", served_model_name="m", engine_id="t", backend="sim", tensor_parallel_size=2
+    )
+    service = PlayedService("r1")
+    service.draining = False  # type: ignore[attr-defined]
+    agent = PlayedAgent(stages=[], final=_sent(0, 0, 0))
+    manager = MigrationManager(
+        config, service, lambda: 100, redis_client, Keys("c"), EngineMetrics("t", "m"), agent=agent
+    )  # type: ignore[arg-type]
+    try:
+        reply = await manager.prepare(
+            pb.PrepareRequest(
+                migration_id="m", request_id="r1", num_blocks=1, bytes_per_block=7, recompute=True
+            )
+        )
+    finally:
+        await manager.aclose()
+    assert reply.accepted, reply
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize(
     ("source", "here"),
     [((1, 1), {"tensor_parallel_size": 2}), ((2, 1), {}), ((2, 1), {"pipeline_parallel_size": 2})],
@@ -508,6 +531,48 @@ async def test_a_target_split_otherwise_refuses_the_move_with_both_layouts(
         await manager.aclose()
     assert (reply.accepted, reply.code) == (False, MoveCode.SHARDED), reply
     assert f"TP {source[0]} x PP {source[1]}" in reply.detail and "same rank" in reply.detail
+
+
+@dataclass
+class OtherSplitTarget(RankedTarget):
+    """A target split over TP 2 x PP 1: it refuses a move of KV from a TP 1 engine, and takes one
+    without KV."""
+
+    async def PrepareMigration(self, request: pb.PrepareRequest, timeout: float) -> pb.PrepareReply:  # noqa: N802, ASYNC109
+        self.prepares.append(request)
+        if not request.recompute:
+            detail = "the source splits its KV cache over TP 1 x PP 1 workers, this engine over TP 2 x PP 1"
+            return pb.PrepareReply(accepted=False, detail=detail, code=MoveCode.SHARDED.value)
+        return pb.PrepareReply(accepted=True, kv_address="tcp://127.0.0.1:2", staging_ttl_s=60)
+
+
+@pytest.mark.asyncio
+async def test_a_drain_moves_to_an_engine_split_otherwise_without_the_kv(
+    redis_client: aioredis.Redis,
+) -> None:
+    """A rollout that changes tensorParallelSize drains old engines into new ones, which cannot
+    take their KV: the move goes on without it (the target computes the context again) rather
+    than leave the request to its engine's end."""
+    agent = PlayedAgent(stages=[_sent(0, 8, 130)], final=_sent(8, 3, 163))
+    service, target = PlayedService("r1"), OtherSplitTarget()
+    result = await _move(redis_client, agent, service, target, reason="drain")
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result
+    assert [p.recompute for p in target.prepares] == [False, True]
+    # No KV went, and the target was told to compute it all.
+    assert agent.sends() == [] and (result.bytes, result.kv_tokens) == (0, 0)
+    (commit,) = target.commits
+    assert commit.kv_tokens == 0 and service.handed_over == [("target", 1)]
+
+
+@pytest.mark.asyncio
+async def test_a_balancing_move_to_an_engine_split_otherwise_ends_refused(
+    redis_client: aioredis.Redis,
+) -> None:
+    agent = PlayedAgent(stages=[_sent(0, 8, 130)], final=_sent(8, 3, 163))
+    service, target = PlayedService("r1"), OtherSplitTarget()
+    result = await _move(redis_client, agent, service, target, reason="balance")
+    assert (result.outcome, result.code) == (pb.REFUSED, MoveCode.SHARDED), result
+    assert len(target.prepares) == 1 and not target.commits and agent.sends() == []
 
 
 class ArrivingService:

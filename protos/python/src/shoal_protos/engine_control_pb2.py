@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!shoal_protos/engine_control.proto\x12\x0fshoal.engine.v1\"s\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10target_engine_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12#\n\x04mode\x18\x04 \x01(\x0e\x32\x15.shoal.engine.v1.Mode\"\x87\x04\n\x0fMigrationResult\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10source_engine_id\x18\x03 \x01(\t\x12\x18\n\x10target_engine_id\x18\x04 \x01(\t\x12)\n\x07outcome\x18\x05 \x01(\x0e\x32\x18.shoal.engine.v1.Outcome\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0e\n\x06stages\x18\x08 \x01(\x05\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x0e\n\x06\x62locks\x18\n \x01(\x05\x12\x11\n\tkv_tokens\x18\x0b \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x0c \x01(\x05\x12\x13\n\x0b\x64owntime_ms\x18\r \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\x0e \x01(\x01\x12\x13\n\x0bwarm_tokens\x18\x0f \x01(\x05\x12?\n\x08phase_ms\x18\x10 \x03(\x0b\x32-.shoal.engine.v1.MigrationResult.PhaseMsEntry\x12\x16\n\x0esource_step_ms\x18\x11 \x01(\x01\x12\x1d\n\x15source_step_ms_before\x18\x12 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x13 \x01(\t\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\x0c\x44rainRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\x12\x16\n\x0eleave_rotation\x18\x02 \x01(\x08\x12\x16\n\x0erejoin_after_s\x18\x03 \x01(\x01\"x\n\x0b\x44rainResult\x12\x10\n\x08migrated\x18\x01 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x05\x12\x11\n\tremaining\x18\x03 \x01(\x05\x12\x34\n\nmigrations\x18\x04 \x03(\x0b\x32 .shoal.engine.v1.MigrationResult\"&\n\x15ListMigrationsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"L\n\x14ListMigrationsResult\x12\x34\n\nmigrations\x18\x01 \x03(\x0b\x32 .shoal.engine.v1.MigrationResult\"\xd3\x01\n\x0ePrepareRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10source_engine_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nmax_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x08 \x01(\x05\"i\n\x0cPrepareReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x15\n\rstaging_ttl_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\"I\n\x0bWarmRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tkv_tokens\x18\x03 \x01(\x05\"+\n\tWarmReply\x12\x0e\n\x06warmed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"e\n\rCommitRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_request\x18\x02 \x01(\x0c\x12\x11\n\tkv_tokens\x18\x03 \x01(\x05\x12\x16\n\x0elast_output_at\x18\x04 \x01(\x01\"/\n\x0b\x43ommitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"%\n\rCancelRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\"\r\n\x0b\x43\x61ncelReply*K\n\x04Mode\x12\x0b\n\x07PRECOPY\x10\x00\x12\x11\n\rSTOP_AND_COPY\x10\x01\x12\r\n\tRECOMPUTE\x10\x02\x12\x14\n\x10PRECOPY_UNWARMED\x10\x03*S\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08MIGRATED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\x08\n\x04GONE\x10\x04\x32\xc5\x04\n\rEngineControl\x12L\n\x07Migrate\x12\x1f.shoal.engine.v1.MigrateRequest\x1a .shoal.engine.v1.MigrationResult\x12\x44\n\x05\x44rain\x12\x1d.shoal.engine.v1.DrainRequest\x1a\x1c.shoal.engine.v1.DrainResult\x12_\n\x0eListMigrations\x12&.shoal.engine.v1.ListMigrationsRequest\x1a%.shoal.engine.v1.ListMigrationsResult\x12R\n\x10PrepareMigration\x12\x1f.shoal.engine.v1.PrepareRequest\x1a\x1d.shoal.engine.v1.PrepareReply\x12I\n\rWarmMigration\x12\x1c.shoal.engine.v1.WarmRequest\x1a\x1a.shoal.engine.v1.WarmReply\x12O\n\x0f\x43ommitMigration\x12\x1e.shoal.engine.v1.CommitRequest\x1a\x1c.shoal.engine.v1.CommitReply\x12O\n\x0f\x43\x61ncelMigration\x12\x1e.shoal.engine.v1.CancelRequest\x1a\x1c.shoal.engine.v1.CancelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!shoal_protos/engine_control.proto\x12\x0fshoal.engine.v1\"s\n\x0eMigrateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10target_engine_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12#\n\x04mode\x18\x04 \x01(\x0e\x32\x15.shoal.engine.v1.Mode\"\x87\x04\n\x0fMigrationResult\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10source_engine_id\x18\x03 \x01(\t\x12\x18\n\x10target_engine_id\x18\x04 \x01(\t\x12)\n\x07outcome\x18\x05 \x01(\x0e\x32\x18.shoal.engine.v1.Outcome\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\x0e\n\x06stages\x18\x08 \x01(\x05\x12\r\n\x05\x62ytes\x18\t \x01(\x03\x12\x0e\n\x06\x62locks\x18\n \x01(\x05\x12\x11\n\tkv_tokens\x18\x0b \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x0c \x01(\x05\x12\x13\n\x0b\x64owntime_ms\x18\r \x01(\x01\x12\x13\n\x0b\x64uration_ms\x18\x0e \x01(\x01\x12\x13\n\x0bwarm_tokens\x18\x0f \x01(\x05\x12?\n\x08phase_ms\x18\x10 \x03(\x0b\x32-.shoal.engine.v1.MigrationResult.PhaseMsEntry\x12\x16\n\x0esource_step_ms\x18\x11 \x01(\x01\x12\x1d\n\x15source_step_ms_before\x18\x12 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x13 \x01(\t\x1a.\n\x0cPhaseMsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"R\n\x0c\x44rainRequest\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\x12\x16\n\x0eleave_rotation\x18\x02 \x01(\x08\x12\x16\n\x0erejoin_after_s\x18\x03 \x01(\x01\"x\n\x0b\x44rainResult\x12\x10\n\x08migrated\x18\x01 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x05\x12\x11\n\tremaining\x18\x03 \x01(\x05\x12\x34\n\nmigrations\x18\x04 \x03(\x0b\x32 .shoal.engine.v1.MigrationResult\"&\n\x15ListMigrationsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"L\n\x14ListMigrationsResult\x12\x34\n\nmigrations\x18\x01 \x03(\x0b\x32 .shoal.engine.v1.MigrationResult\"\xe6\x01\n\x0ePrepareRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10source_engine_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nmax_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x03\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\x05\x12\x1e\n\x16pipeline_parallel_size\x18\x08 \x01(\x05\x12\x11\n\trecompute\x18\t \x01(\x08\"i\n\x0cPrepareReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x15\n\rstaging_ttl_s\x18\x04 \x01(\x01\x12\x0c\n\x04\x63ode\x18\x05 \x01(\t\"I\n\x0bWarmRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tkv_tokens\x18\x03 \x01(\x05\"+\n\tWarmReply\x12\x0e\n\x06warmed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"e\n\rCommitRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x64_request\x18\x02 \x01(\x0c\x12\x11\n\tkv_tokens\x18\x03 \x01(\x05\x12\x16\n\x0elast_output_at\x18\x04 \x01(\x01\"/\n\x0b\x43ommitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"%\n\rCancelRequest\x12\x14\n\x0cmigration_id\x18\x01 \x01(\t\"\r\n\x0b\x43\x61ncelReply*K\n\x04Mode\x12\x0b\n\x07PRECOPY\x10\x00\x12\x11\n\rSTOP_AND_COPY\x10\x01\x12\r\n\tRECOMPUTE\x10\x02\x12\x14\n\x10PRECOPY_UNWARMED\x10\x03*S\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0c\n\x08MIGRATED\x10\x01\x12\x0b\n\x07REFUSED\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x12\x08\n\x04GONE\x10\x04\x32\xc5\x04\n\rEngineControl\x12L\n\x07Migrate\x12\x1f.shoal.engine.v1.MigrateRequest\x1a .shoal.engine.v1.MigrationResult\x12\x44\n\x05\x44rain\x12\x1d.shoal.engine.v1.DrainRequest\x1a\x1c.shoal.engine.v1.DrainResult\x12_\n\x0eListMigrations\x12&.shoal.engine.v1.ListMigrationsRequest\x1a%.shoal.engine.v1.ListMigrationsResult\x12R\n\x10PrepareMigration\x12\x1f.shoal.engine.v1.PrepareRequest\x1a\x1d.shoal.engine.v1.PrepareReply\x12I\n\rWarmMigration\x12\x1c.shoal.engine.v1.WarmRequest\x1a\x1a.shoal.engine.v1.WarmReply\x12O\n\x0f\x43ommitMigration\x12\x1e.shoal.engine.v1.CommitRequest\x1a\x1c.shoal.engine.v1.CommitReply\x12O\n\x0f\x43\x61ncelMigration\x12\x1e.shoal.engine.v1.CancelRequest\x1a\x1c.shoal.engine.v1.CancelReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MIGRATIONRESULT_PHASEMSENTRY']._loaded_options = None
   _globals['_MIGRATIONRESULT_PHASEMSENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=1664
-  _globals['_MODE']._serialized_end=1739
-  _globals['_OUTCOME']._serialized_start=1741
-  _globals['_OUTCOME']._serialized_end=1824
+  _globals['_MODE']._serialized_start=1683
+  _globals['_MODE']._serialized_end=1758
+  _globals['_OUTCOME']._serialized_start=1760
+  _globals['_OUTCOME']._serialized_end=1843
   _globals['_MIGRATEREQUEST']._serialized_start=54
   _globals['_MIGRATEREQUEST']._serialized_end=169
   _globals['_MIGRATIONRESULT']._serialized_start=172
@@ -52,21 +52,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMIGRATIONSRESULT']._serialized_start=939
   _globals['_LISTMIGRATIONSRESULT']._serialized_end=1015
   _globals['_PREPAREREQUEST']._serialized_start=1018
-  _globals['_PREPAREREQUEST']._serialized_end=1229
-  _globals['_PREPAREREPLY']._serialized_start=1231
-  _globals['_PREPAREREPLY']._serialized_end=1336
-  _globals['_WARMREQUEST']._serialized_start=1338
-  _globals['_WARMREQUEST']._serialized_end=1411
-  _globals['_WARMREPLY']._serialized_start=1413
-  _globals['_WARMREPLY']._serialized_end=1456
-  _globals['_COMMITREQUEST']._serialized_start=1458
-  _globals['_COMMITREQUEST']._serialized_end=1559
-  _globals['_COMMITREPLY']._serialized_start=1561
-  _globals['_COMMITREPLY']._serialized_end=1608
-  _globals['_CANCELREQUEST']._serialized_start=1610
-  _globals['_CANCELREQUEST']._serialized_end=1647
-  _globals['_CANCELREPLY']._serialized_start=1649
-  _globals['_CANCELREPLY']._serialized_end=1662
-  _globals['_ENGINECONTROL']._serialized_start=1827
-  _globals['_ENGINECONTROL']._serialized_end=2408
+  _globals['_PREPAREREQUEST']._serialized_end=1248
+  _globals['_PREPAREREPLY']._serialized_start=1250
+  _globals['_PREPAREREPLY']._serialized_end=1355
+  _globals['_WARMREQUEST']._serialized_start=1357
+  _globals['_WARMREQUEST']._serialized_end=1430
+  _globals['_WARMREPLY']._serialized_start=1432
+  _globals['_WARMREPLY']._serialized_end=1475
+  _globals['_COMMITREQUEST']._serialized_start=1477
+  _globals['_COMMITREQUEST']._serialized_end=1578
+  _globals['_COMMITREPLY']._serialized_start=1580
+  _globals['_COMMITREPLY']._serialized_end=1627
+  _globals['_CANCELREQUEST']._serialized_start=1629
+  _globals['_CANCELREQUEST']._serialized_end=1666
+  _globals['_CANCELREPLY']._serialized_start=1668
+  _globals['_CANCELREPLY']._serialized_end=1681
+  _globals['_ENGINECONTROL']._serialized_start=1846
+  _globals['_ENGINECONTROL']._serialized_end=2427
 # @@protoc_insertion_point(module_scope)

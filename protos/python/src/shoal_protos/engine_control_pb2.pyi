@@ -127,7 +127,7 @@ class ListMigrationsResult(_message.Message):
     def __init__(self, migrations: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "source_engine_id", "num_blocks", "max_blocks", "bytes_per_block", "tensor_parallel_size", "pipeline_parallel_size")
+    __slots__ = ("migration_id", "request_id", "source_engine_id", "num_blocks", "max_blocks", "bytes_per_block", "tensor_parallel_size", "pipeline_parallel_size", "recompute")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class PrepareRequest(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     source_engine_id: str
@@ -144,7 +145,8 @@ class PrepareRequest(_message.Message):
     bytes_per_block: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ...) -> None: ...
+    recompute: bool
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., recompute: _Optional[bool] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
     __slots__ = ("accepted", "detail", "kv_address", "staging_ttl_s", "code")

@@ -164,25 +164,47 @@ class SourceMove:
         await self._service.wait_output_here(self._request_id, self._timeout / 2)
         tokens = self._service.tokens_of(self._request_id) or 0
         max_tokens = self._service.max_tokens_of(self._request_id) or tokens
-        prepared = await stub.PrepareMigration(
-            pb.PrepareRequest(
-                migration_id=self.result.migration_id,
-                request_id=self._request_id,
-                source_engine_id=self.result.source_engine_id,
-                num_blocks=math.ceil(tokens / self._block),
-                max_blocks=math.ceil(max_tokens / self._block),
-                bytes_per_block=status.bytes_per_block,
-                tensor_parallel_size=self._config.tensor_parallel_size,
-                pipeline_parallel_size=self._config.pipeline_parallel_size,
-            ),
-            timeout=self._timeout,
+        request = pb.PrepareRequest(
+            migration_id=self.result.migration_id,
+            request_id=self._request_id,
+            source_engine_id=self.result.source_engine_id,
+            num_blocks=math.ceil(tokens / self._block),
+            max_blocks=math.ceil(max_tokens / self._block),
+            bytes_per_block=status.bytes_per_block,
+            tensor_parallel_size=self._config.tensor_parallel_size,
+            pipeline_parallel_size=self._config.pipeline_parallel_size,
+            recompute=self._mode == pb.RECOMPUTE,
         )
+        prepared = await stub.PrepareMigration(request, timeout=self._timeout)
+        if self._recompute_instead(prepared):
+            # An engine leaving (a rollout that changes tensorParallelSize) moves its requests
+            # to engines of the new split, which cannot take its KV: they compute it again.
+            logger.info(
+                "migration %s: %s; moving %s without its KV",
+                self.result.migration_id,
+                prepared.detail,
+                self._request_id,
+            )
+            self._mode = pb.RECOMPUTE
+            without_kv = pb.PrepareRequest()
+            without_kv.CopyFrom(request)
+            without_kv.recompute = True
+            prepared = await stub.PrepareMigration(without_kv, timeout=self._timeout)
         self._clock.mark("prepare")
         if not prepared.accepted:
             raise MoveEndedError(_refusal_code(prepared.code), prepared.detail)
         self._stub = stub
         self._kv_address = prepared.kv_address
         return State.PRECOPY if self._mode in _PRECOPY_MODES else State.STOP
+
+    def _recompute_instead(self, prepared: pb.PrepareReply) -> bool:
+        """Whether a drain's move the target refused for its KV alone goes without it: the
+        target splits or lays out its KV cache otherwise. Other moves end refused (a balancing
+        move is worth its cost only with the KV copied)."""
+        unfit = prepared.code in (MoveCode.SHARDED.value, MoveCode.LAYOUT_DIFFERS.value)
+        return (
+            not prepared.accepted and unfit and self.result.reason == "drain" and self._mode != pb.RECOMPUTE
+        )
 
     async def _precopy_stage(self) -> State:
         """Send the full blocks not sent yet while the request decodes; another stage until

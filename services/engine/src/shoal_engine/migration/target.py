@@ -85,17 +85,17 @@ class TargetSide:
     async def _refusal(self, request: pb.PrepareRequest) -> tuple[MoveCode, str] | None:
         if self._service.draining:
             return MoveCode.TARGET_DRAINING, "the target is draining"
-        config = self._config
-        here = (config.tensor_parallel_size, config.pipeline_parallel_size)
-        source = (request.tensor_parallel_size or 1, request.pipeline_parallel_size or 1)
-        if source != here:
-            return MoveCode.SHARDED, sharded(source, here)
-        bytes_per_block = (await self._agent_status()).bytes_per_block
-        if request.bytes_per_block != bytes_per_block:
-            return (
-                MoveCode.LAYOUT_DIFFERS,
-                f"KV layout differs: {request.bytes_per_block} bytes per block there, {bytes_per_block} here",
-            )
+        if not request.recompute:
+            config = self._config
+            here = (config.tensor_parallel_size, config.pipeline_parallel_size)
+            source = (request.tensor_parallel_size or 1, request.pipeline_parallel_size or 1)
+            if source != here:
+                return MoveCode.SHARDED, sharded(source, here)
+            bytes_per_block = (await self._agent_status()).bytes_per_block
+            if request.bytes_per_block != bytes_per_block:
+                there = request.bytes_per_block
+                detail = f"KV layout differs: {there} bytes per block there, {bytes_per_block} here"
+                return MoveCode.LAYOUT_DIFFERS, detail
         reserved = sum(r.blocks for r in self._reserved.values())
         free = self._free_blocks() - reserved
         # Room for what it holds now plus one block to grow into.
