@@ -115,7 +115,12 @@ async def scene_once(
             (
                 stream,
                 stubs[stream.engine].Migrate.future(
-                    pb.MigrateRequest(request_id=stream.request_id, target_engine_id=target, reason="admin"),
+                    pb.MigrateRequest(
+                        request_id=stream.request_id,
+                        target_engine_id=target,
+                        reason="admin",
+                        mode=pb.Mode.Value(args.mode.upper()),
+                    ),
                     timeout=120,
                 ),
             )
@@ -204,7 +209,7 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], measured: str,
             f"{args.prompt_len} random prompt tokens spread over both; once all have {args.move_after} "
             "tokens, moves are asked for at once: `one` (a move alone), `one_way` (every stream on "
             f"engine-0 to engine-1, at most {args.moves}, as a drain does), `both_ways` (half of "
-            f"{args.moves} each way). Stall: the "
+            f"{args.moves} each way), in mode `{args.mode}`. Stall: the "
             "client's gap at the hand-over minus the stream's usual gap, in ms and in usual gaps; "
             "the hand-over gap itself beside the one the target engine recorded (the source's last "
             f"token to the target's first, no router or client in it). {args.repeats} scenes each; target: "
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         "--moves", type=int, default=8, help="moves at once in the one_way and both_ways scenes"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--mode", default="precopy", choices=["precopy", "precopy_unwarmed", "stop_and_copy", "recompute"]
+    )
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args(argv)
     command = "python -m bench.overlap " + " ".join(argv if argv is not None else sys.argv[1:])
