@@ -155,6 +155,8 @@ async def scene_once(
                 if switch + 1 < len(stream.stamps)
                 else None,
                 "phase_ms": dict(result.phase_ms),
+                # The hand-over's parts on the target, from the commit to the first token there.
+                "target_phase_ms": dict(record.target_phase_ms) if record else {},
             }
         )
     return rows
