@@ -143,6 +143,17 @@ def test_engines_are_bound_to_distinct_cores(tmp_path: Path) -> None:
     assert binds == ["0", "1", "2"]
 
 
+@pytest.mark.usefixtures("redis_server", "many_cores")
+def test_tensor_parallel_engines_bind_a_core_per_worker_and_space_their_kv_ports(tmp_path: Path) -> None:
+    """Each worker's KV agent takes two ports past the one before (``shoal_engine.kv.ranks``):
+    an engine of two workers takes four, and the next engine's start past them."""
+    parser = parse(supervisord_config(make_config(tmp_path, engines=2, tensor_parallel_size=2)))
+    sections = [s for _, s in sorted(engines(parser).items())]
+    assert [environment(s)["VLLM_CPU_OMP_THREADS_BIND"] for s in sections] == ["0|1", "2|3"]
+    assert [option(argv(s), "--tensor-parallel-size") for s in sections] == ["2", "2"]
+    assert [int(option(argv(s), "--kv-port")) for s in sections] == [5900, 5904]
+
+
 @pytest.mark.usefixtures("redis_server")
 def test_core_binding_wraps_round_robin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 2)
