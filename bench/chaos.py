@@ -121,6 +121,20 @@ def fleet_config(engines: int) -> FleetConfig:
     )
 
 
+def greedy_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, object]:
+    """A greedy completion of exactly ``max_tokens`` token ids: the streams under chaos and
+    their uninterrupted reruns ask for the same thing."""
+    return {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "return_token_ids": True,
+    }
+
+
 async def client(
     http: httpx.AsyncClient, url: str, seed: int, stop_at: float, tally: Tally, say_every: int
 ) -> None:
@@ -128,15 +142,7 @@ async def client(
     while time.monotonic() < stop_at:
         max_tokens = rng.randint(64, 512)
         prompt = [rng.randrange(1, vocab_size()) for _ in range(rng.randint(4, 64))]
-        body = {
-            "model": "tiny-llama",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
+        body = greedy_body(prompt, max_tokens, stream=True)
         ids: list[int] = []
         longest, last, ended = 0.0, 0.0, ""
         try:
@@ -266,14 +272,7 @@ async def compare(url: str, tally: Tally, concurrency: int) -> None:
     limit = asyncio.Semaphore(concurrency)
 
     async def one(http: httpx.AsyncClient, stream: Stream) -> bool:
-        body = {
-            "model": "tiny-llama",
-            "prompt": stream.prompt,
-            "max_tokens": stream.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        body = greedy_body(stream.prompt, stream.max_tokens, stream=False)
         async with limit:
             reply = await http.post(url + "/v1/completions", json=body)
         reply.raise_for_status()

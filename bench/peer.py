@@ -73,6 +73,7 @@ from bench.serving import (
     heartbeat,
     random_prompts,
     run_by_concurrency,
+    run_scenario,
     summarize,
 )
 from shoal_fleet.cpu import cpu_flags, native_dtype
@@ -104,7 +105,7 @@ class PeerFleet:
 
     def __init__(self, cfg: BenchConfig, run_dir: Path, dtype: str) -> None:
         self.servers = [
-            _Server(cfg, run_dir, port=port, core=core, dtype=dtype)
+            VllmServer(cfg, run_dir, port=port, core=core, dtype=dtype)
             for core, port in enumerate(PEER_SERVER_PORTS)
         ]
         self.base_url = f"http://127.0.0.1:{PEER_ROUTER_PORT}"
@@ -134,19 +135,6 @@ class PeerFleet:
         stop_group(self._proc)
         for server in self.servers:
             server.stop()
-
-
-class _Server(VllmServer):
-    """``bench.serving``'s vLLM server, in the dtype the fleet's engines use."""
-
-    def __init__(self, cfg: BenchConfig, run_dir: Path, port: int, core: int, dtype: str) -> None:
-        super().__init__(cfg, run_dir, port=port, core=core)
-        self.dtype = dtype
-
-    def command(self) -> list[str]:
-        command = super().command()
-        command[command.index("--dtype") + 1] = self.dtype
-        return command
 
 
 def fleet_config(
@@ -191,20 +179,12 @@ async def one_round(index: int, urls: dict[str, str], cfg: BenchConfig) -> Round
         limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s, connect=10)
     ) as client:
         for target in order:
-            progress = Progress(f"[round {index + 1} {target}]", cfg.requests, every=16)
-            results = await run_by_concurrency(
-                client,
-                urls[target] + "/v1/completions",
-                scenario.prompts,
-                cfg.concurrency,
-                cfg.output_len,
-                progress,
+            summary, results = await run_scenario(
+                client, urls[target] + "/v1/completions", target, scenario, cfg.output_len
             )
-            wall = max((r.start_s + (r.e2e_ms or 0.0) / 1e3 for r in results), default=0.0)
-            summary = summarize(target, scenario, results, wall)
             done.summaries[target], done.requests[target] = summary, results
             say(
-                f"  round {index + 1} {target}: {summary.requests / wall:.3f} req/s, TTFT p50/p99 "
+                f"  round {index + 1} {target}: {summary.requests / summary.wall_s:.3f} req/s, TTFT p50/p99 "
                 f"{summary.ttft_p50_ms:.0f}/{summary.ttft_p99_ms:.0f} ms, TPOT p50/p99 "
                 f"{summary.tpot_p50_ms:.0f}/{summary.tpot_p99_ms:.0f} ms, {summary.errors} error(s)"
             )

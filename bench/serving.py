@@ -631,8 +631,10 @@ class VllmServer:
 
     name = "vllm"
 
-    def __init__(self, cfg: BenchConfig, run_dir: Path, port: int = VLLM_PORT, core: int = 0) -> None:
-        self.cfg, self.port, self.core = cfg, port, core
+    def __init__(
+        self, cfg: BenchConfig, run_dir: Path, port: int = VLLM_PORT, core: int = 0, dtype: str = "bfloat16"
+    ) -> None:
+        self.cfg, self.port, self.core, self.dtype = cfg, port, core, dtype
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = run_dir / f"vllm-server-{port}.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -655,7 +657,7 @@ class VllmServer:
             "--max-num-seqs",
             str(MAX_NUM_SEQS),
             "--dtype",
-            "bfloat16",
+            self.dtype,
             "--enforce-eager",
         ]
 

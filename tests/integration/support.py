@@ -27,7 +27,7 @@ import psutil
 import redis
 import zmq
 
-from shoal_engine.kv.ranks import RANK_PORT_STRIDE
+from shoal_engine.kv.ranks import RANK_PORT_STRIDE, rank_address
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
@@ -274,8 +274,8 @@ class RunningFleet:
         """One call to the KV agent of an engine's worker ``rank`` (its control socket, next to
         its KV port)."""
         index = int(engine_id.rsplit("-", 1)[1])
-        worker = index * self.cfg.tensor_parallel_size + rank
-        address = f"tcp://{self.cfg.host}:{self.cfg.engine_kv_base_port + RANK_PORT_STRIDE * worker + 1}"
+        first = self.cfg.engine_kv_base_port + RANK_PORT_STRIDE * self.cfg.tensor_parallel_size * index
+        address = rank_address(f"tcp://{self.cfg.host}:{first + 1}", rank)
         with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
