@@ -160,6 +160,10 @@ bench-requests: setup ## Short requests per second through one router, its CPU p
 bench-migration: setup models ## KV transfer bandwidth and migration stall; writes docs/benchmarks.md
 	$(PY) -m bench.migration $(BENCH_ARGS)
 
+.PHONY: bench-stepfit
+bench-stepfit: setup models ## Fit the simulated engine's step time to a real vLLM CPU engine, held-out error; writes docs/benchmarks.md
+	$(PY) -m bench.stepfit $(BENCH_ARGS)
+
 .PHONY: bench-allocator
 bench-allocator: setup models ## CPU engine steps with glibc's allocator vs tcmalloc, side by side; writes docs/benchmarks.md
 	$(PY) -m bench.allocator $(BENCH_ARGS)

@@ -11,7 +11,15 @@ import pytest
 from shoal_engine.backend import BackendRequestError
 from shoal_engine.kv.params import KvLoad
 from shoal_protos.messages import FinishReason, SamplingOptions
-from shoal_sim.engine import STEP_MODELS, SimBatch, SimConfig, SimRequest, SimulatedBackend, StepModel
+from shoal_sim.engine import (
+    STEP_MODELS,
+    SimBatch,
+    SimConfig,
+    SimRequest,
+    SimulatedBackend,
+    StepModel,
+    step_features,
+)
 
 FAST = 2000.0
 
@@ -64,15 +72,65 @@ async def test_a_stop_token_ends_the_request() -> None:
 def test_step_time_grows_with_batch_context_and_prefill() -> None:
     model = STEP_MODELS["smollm2-cpu"]
     assert model.step_ms(0, [], 0) == 0.0  # an idle engine runs no step
-    one = model.step_ms(1, [], 256)
-    assert one == pytest.approx(34.0, abs=1.0)  # one stream's gap at 256 tokens, as measured
-    assert model.step_ms(1, [], 8000) == pytest.approx(68.8, abs=1.5)
-    assert model.step_ms(8, [], 8 * 256) > one
-    # Recomputing 4,096 tokens of context on this CPU took 13.1 s.
-    assert model.step_ms(0, [4096], 0) / 1000 == pytest.approx(13.1, rel=0.1)
+    # Steps measured on the engine the fit comes from (docs/benchmarks.md, bench-stepfit).
+    one = model.step_ms(1, [], 512)
+    assert one == pytest.approx(13.4, rel=0.1)
+    assert model.step_ms(16, [], 16 * 1536) == pytest.approx(52.7, rel=0.1)
+    assert model.step_ms(0, [(1900, 0)], 0) == pytest.approx(870.3, rel=0.1)
+    assert model.step_ms(0, [(256, 1024)], 0) == pytest.approx(144.2, rel=0.1)
+    # A prompt split over two steps costs more than in one (its second chunk attends to its first).
+    whole = model.step_ms(0, [(2000, 0)], 0)
+    split = model.step_ms(4, [(2044, 0)], 4 * 256) + model.step_ms(4, [(1, 2044)], 4 * 257)
+    assert split > whole
     gpu = STEP_MODELS["llama3-8b-a100"]
     assert 8.0 < gpu.step_ms(64, [], 64 * 1000) < 20.0  # memory-bound decode: weights dominate
     assert isinstance(gpu, StepModel) and gpu.source
+
+
+def test_step_features_match_the_coefficients() -> None:
+    """The fit and the model read the same terms: a step of one chunk after a cached prefix is
+    the sum of its parts."""
+    model = STEP_MODELS["smollm2-cpu"]
+    features = step_features(2, [(100, 50)], 300)
+    assert features == (1.0, 2.0, 1.0, 100.0, 0.35, (100 * 50 + 100 * 100 / 2) / 1000)
+    expected = (
+        model.base_ms + 2 * model.decode_ms + model.chunk_ms + 100 * model.prefill_ms
+        + 0.35 * model.context_us + 10.0 * model.pair_us
+    )  # fmt: skip
+    assert model.step_ms(2, [(100, 50)], 300) == pytest.approx(expected)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decoding_batch() -> None:
+    """vLLM's chunked prefill: running requests decode first, a waiting prompt takes what the
+    step's token budget leaves, and its next chunk continues in the next step; it gets its first
+    token only when its whole prompt is computed, and holds only the blocks of its chunks."""
+    config = SimConfig(kv_blocks=256, block_size=16, max_batched_tokens=64, max_model_len=512)
+    batch = SimBatch(config)
+    decoding = [SimRequest(f"d{i}", 10, 50) for i in range(4)]
+    for request in decoding:
+        batch.add(request)
+    batch.finish(batch.plan())  # 40 prompt tokens, one step: one token each
+    long = SimRequest("long", 100, 5)
+    batch.add(long)
+    step = batch.plan()
+    assert step is not None
+    assert [(r.request_id, n) for r, n in step.scheduled] == [
+        ("d0", 1),
+        ("d1", 1),
+        ("d2", 1),
+        ("d3", 1),
+        ("long", 60),
+    ]
+    assert long.blocks == 4  # 60 tokens' worth, not the whole prompt's
+    emitted = batch.finish(step)
+    assert [r.request_id for r, _ in emitted] == ["d0", "d1", "d2", "d3"] and long.generated == 0
+    step = batch.plan()
+    assert step is not None and step.scheduled[-1] == (long, 40)
+    assert step.ms == pytest.approx(batch.model.step_ms(4, [(40, 60)], sum(r.context for r in decoding)))
+    emitted = batch.finish(step)
+    assert long.generated == 1 and long.computed == 100 and long.blocks == 7
+    step = batch.plan()
+    assert step is not None and (long, 1) in step.scheduled
 
 
 def test_a_step_gives_tokens_only_to_requests_still_in_its_batch() -> None:
@@ -86,7 +144,7 @@ def test_a_step_gives_tokens_only_to_requests_still_in_its_batch() -> None:
         source.add(request)
     source.finish(source.plan())  # prefills all four: one token each
     step = source.plan()
-    assert step is not None and step.decoding == requests
+    assert step is not None and [r for r, _ in step.scheduled] == requests
     moved = requests[2]
     source.drop(moved)
     reserved = target.blocks(moved.context + 1)

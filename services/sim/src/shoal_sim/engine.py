@@ -4,21 +4,23 @@ Fleet experiments need more engines than one machine can run for real. A simulat
 the real engine service (the same ZeroMQ frames to routers, the same records and load reports
 in Redis) with this backend in place of vLLM, so the real router and its scheduler drive it.
 
-The model follows vLLM's continuous batching, simplified:
+The model follows vLLM's (V1) scheduler, simplified:
 
 * The KV cache holds ``kv_blocks`` blocks of ``block_size`` tokens; a request holds the blocks
-  of its context (prompt plus tokens generated so far).
-* Each step first admits waiting requests, first come first served, while the batch has a free
-  slot (``max_num_seqs``), the step's prefill budget (``max_batched_tokens``) lasts and the
-  blocks of the request's whole context are free; an admitted request is prefilled in that
-  step (a prompt over the budget is prefilled alone; vLLM would split it over steps). Every
-  request already running decodes one token. One that needs a new block when none is free
-  preempts the newest running request (vLLM's recompute preemption: its blocks are freed, it
-  goes back to the head of the line with the tokens it has, and is prefilled again when
-  readmitted).
-* A step lasts ``StepModel.step_ms(decoding requests, prefill tokens, context tokens)``,
-  divided by ``speed`` (above 1: faster than the modelled hardware, for quick runs). Each
-  request admitted or decoding gets one token at the end of its step.
+  of the tokens of its context whose KV it computed (``SimRequest.computed``).
+* Each step has a budget of ``max_batched_tokens`` tokens. Running requests come first, oldest
+  first: one decoding computes one token; one whose prompt is part-way through its prefill
+  computes the rest of it, or as much as the budget leaves (chunked prefill). A request that
+  needs a block when none is free preempts the newest running request (vLLM's recompute
+  preemption: its blocks are freed, it goes back to the head of the line with the tokens it
+  has, and is prefilled again when readmitted). Then, unless the step preempted, waiting
+  requests are admitted first come first served while a batch slot (``max_num_seqs``), the
+  budget and the blocks of their first chunk last. There is no prefix cache: every prompt is
+  computed in full.
+* A step lasts ``StepModel.step_ms(decoding requests, prompt chunks, context tokens)``, divided
+  by ``speed`` (above 1: faster than the modelled hardware, for quick runs); the model of a CPU
+  engine is fit to a real one (``bench.stepfit``). A request whose whole context is computed
+  at the end of a step gets a token.
 * Token ids are drawn from a generator seeded by the engine's seed and the prompt, so a run is
   the same for the same seed. There is no end-of-sequence token: a request runs to its
   ``max_tokens`` or to one of its ``stop_token_ids``. The text of a token is its id.
@@ -40,7 +42,7 @@ import random
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
@@ -66,30 +68,61 @@ PREEMPTIONS = Counter(
 """In the default registry, so an engine's /metrics shows it (only simulated engines have it)."""
 
 
+Chunk = tuple[int, int]
+"""A prompt's share of one step: (tokens computed, tokens of its context before them). The tokens
+before are earlier chunks of the same prompt (chunked prefill) or a prefix-cache hit."""
+
+
+def step_features(decoding: int, chunks: Sequence[Chunk], context_tokens: int) -> tuple[float, ...]:
+    """What a step's time is linear in, in ``StepModel.coefficients``' order: 1 (any step),
+    requests decoding, prompt chunks, prompt tokens computed, thousands of tokens of KV read
+    (the decoding requests' contexts and each chunk's context before it), thousands of (query,
+    key) pairs the prompt tokens attend across. The fit (``bench.stepfit``) and the model share
+    it, so they cannot disagree on the terms."""
+    tokens = sum(n for n, _ in chunks)
+    before = sum(prior for _, prior in chunks)
+    pairs = sum(n * prior + n * n / 2.0 for n, prior in chunks)
+    return (
+        1.0,
+        float(decoding),
+        float(len(chunks)),
+        float(tokens),
+        (context_tokens + before) / 1000.0,
+        pairs / 1000.0,
+    )
+
+
 @dataclass(frozen=True)
 class StepModel:
     """The duration of one engine step from what it computes.
 
     ``base_ms`` is paid by every step that runs anything (reading the weights, launching the
-    step), ``decode_ms`` per request decoding a token, ``prefill_ms`` per prompt token
-    prefilled, ``context_us`` per token of context a decoding request attends to (reading its
-    KV), and ``pair_us`` per pair of prompt tokens a prefill attends across (attention's
-    quadratic part).
+    step), ``decode_ms`` per request decoding a token, ``chunk_ms`` per prompt chunk (a prompt
+    computed in the step: its own attention call and sampling), ``prefill_ms`` per prompt token
+    computed, ``context_us`` per token of KV read from the cache (a decoding request's context,
+    a chunk's context before it), and ``pair_us`` per (query, key) pair a prompt's tokens
+    attend across: its own tokens' triangle plus everything before them (earlier chunks, a
+    prefix-cache hit).
     """
 
     name: str
     base_ms: float
     decode_ms: float
+    chunk_ms: float
     prefill_ms: float
     context_us: float
     pair_us: float
     source: str
 
-    def step_ms(self, decoding: int, prefills: list[int], context_tokens: int) -> float:
-        if not decoding and not prefills:
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.base_ms, self.decode_ms, self.chunk_ms, self.prefill_ms, self.context_us, self.pair_us)
+
+    def step_ms(self, decoding: int, chunks: Sequence[Chunk], context_tokens: int) -> float:
+        if not decoding and not chunks:
             return 0.0
-        prefill = sum(self.prefill_ms * n + self.pair_us * n * n / 2000.0 for n in prefills)
-        return self.base_ms + self.decode_ms * decoding + prefill + self.context_us * context_tokens / 1000.0
+        features = step_features(decoding, chunks, context_tokens)
+        return sum(c * f for c, f in zip(self.coefficients, features, strict=True))
 
 
 STEP_MODELS = {
@@ -97,20 +130,22 @@ STEP_MODELS = {
     for model in (
         StepModel(
             name="smollm2-cpu",
-            base_ms=30.35,
-            decode_ms=2.5,
-            prefill_ms=1.6,
-            context_us=4.5,
-            pair_us=0.84,
-            source="SmolLM2-135M on one core of this repository's CPU machines, fit to docs/benchmarks.md: "
-            "one stream's inter-token gap (34.0 ms at 256 tokens of context, 68.8 ms at 8,000), "
-            "recomputing a context (0.41 s for 256 tokens, 13.1 s for 4,096, 39.8 s for 8,000) and "
-            "eight concurrent streams (TPOT 53-63 ms)",
+            base_ms=12.03,
+            decode_ms=0.5306,
+            chunk_ms=4.261,
+            prefill_ms=0.2756,
+            context_us=1.33,
+            pair_us=0.1894,
+            source="SmolLM2-135M-Instruct in bf16 on one core of an AVX-512 (bf16) machine, as the "
+            "fleet runs it: a fit to 29 measured step shapes (make bench-stepfit, docs/benchmarks.md), "
+            "each within 10 % when held out of the fit. CPUs differ several times in speed: refit on "
+            "the machine a comparison runs on",
         ),
         StepModel(
             name="llama3-8b-a100",
             base_ms=8.0,
             decode_ms=0.05,
+            chunk_ms=0.0,
             prefill_ms=0.1,
             context_us=0.066,
             pair_us=0.0034,
@@ -122,6 +157,7 @@ STEP_MODELS = {
             name="llama2-7b-a10",
             base_ms=22.5,
             decode_ms=0.1,
+            chunk_ms=0.0,
             prefill_ms=0.22,
             context_us=0.87,
             pair_us=0.0084,
@@ -167,9 +203,10 @@ class SimRequest:
     """Draws the token ids; None: every token is 0 (the fleet simulator needs only counts)."""
     generated: int = 0
     blocks: int = 0
+    computed: int = 0
+    """Tokens of its context whose KV the batch holds: the context but the last sampled token
+    while it decodes, fewer while its prompt is prefilled chunk by chunk, 0 when preempted."""
     finish: FinishReason | None = None
-    kv_loaded: bool = False
-    """It arrived with its context's KV (a migration): no prefill."""
     preempted: int = 0
     """Times it was preempted (its blocks freed) here."""
 
@@ -184,11 +221,11 @@ class SimRequest:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """What one engine step computes: requests prefilled (admitted) and decoding, and how long
-    it takes in the modelled hardware's milliseconds."""
+    """What one engine step computes: each scheduled request with the tokens it computes (1 for
+    one decoding, a chunk of its context for one being prefilled), and how long the step takes
+    in the modelled hardware's milliseconds."""
 
-    admitted: list[SimRequest]
-    decoding: list[SimRequest]
+    scheduled: list[tuple[SimRequest, int]]
     ms: float
 
 
@@ -252,11 +289,12 @@ class SimBatch:
         self.free += reserved
         if need > self.free:
             # It grew past what was reserved and the cache filled meanwhile: recompute later.
-            request.blocks = 0
+            request.blocks = request.computed = 0
             self.waiting.appendleft(request)
             return
         self.free -= need
         request.blocks = need
+        request.computed = request.context - 1
         self.running[request] = None
 
     def load(self, into: BackendLoad) -> BackendLoad:
@@ -266,67 +304,89 @@ class SimBatch:
         into.kv_blocks_total = self.config.kv_blocks
         return into
 
-    def _admit(self) -> list[SimRequest]:
-        budget = self.config.max_batched_tokens
-        admitted: list[SimRequest] = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            need = self.blocks(request.context + 1)
-            if need > self.free or (admitted and request.context > budget):
-                break
-            self.waiting.popleft()
-            request.blocks = need
-            self.free -= need
-            self.running[request] = None
-            admitted.append(request)
-            budget -= request.context
+    def _preempt_newest(self) -> SimRequest:
+        victim, _ = self.running.popitem()
+        self.free += victim.blocks
+        victim.blocks = victim.computed = 0
+        victim.preempted += 1
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        PREEMPTIONS.inc()
+        return victim
+
+    def _schedule_running(self, budget: int) -> tuple[list[tuple[SimRequest, int]], int, bool]:
+        """vLLM's first pass: every running request, oldest first, gets the tokens it needs
+        (one to decode, the rest of its prompt to prefill) while the step's token budget lasts,
+        and the blocks they fill; when none is free the newest running request is preempted
+        (recompute), and a request that cannot get its blocks ends the pass."""
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
+        for request in list(self.running):
             if budget <= 0:
                 break
-        return admitted
-
-    def _grow(self, decoding: list[SimRequest]) -> list[SimRequest]:
-        """Give each decoding request the block its next token needs; preempt the newest
-        running requests when none is free. Returns those still decoding."""
-        for request in decoding:
             if request not in self.running:
                 continue  # preempted earlier in this pass
-            while self.blocks(request.context + 1) > request.blocks:
-                if self.free:
-                    self.free -= 1
-                    request.blocks += 1
-                    continue
-                victim, _ = self.running.popitem()
-                self.free += victim.blocks
-                victim.blocks = 0
-                victim.preempted += 1
-                self.waiting.appendleft(victim)
-                self.preemptions += 1
-                PREEMPTIONS.inc()
-                if victim is request:
-                    break
-        return [r for r in decoding if r in self.running]
+            n = min(request.context - request.computed, budget)
+            need = self.blocks(request.computed + n) - request.blocks
+            while need > self.free:
+                preempted = True
+                if self._preempt_newest() is request:
+                    return scheduled, budget, preempted
+            self.free -= max(0, need)
+            request.blocks += max(0, need)
+            scheduled.append((request, n))
+            budget -= n
+        return scheduled, budget, preempted
+
+    def _schedule_waiting(self, budget: int) -> list[tuple[SimRequest, int]]:
+        """vLLM's second pass: waiting requests, first come first served, while a batch slot, the
+        token budget (a prompt over it is split over steps: chunked prefill) and the blocks of
+        the chunk last."""
+        scheduled: list[tuple[SimRequest, int]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.context - request.computed, budget)
+            need = self.blocks(request.computed + n) - request.blocks
+            if need > self.free:
+                break
+            self.waiting.popleft()
+            self.free -= need
+            request.blocks += need
+            self.running[request] = None
+            scheduled.append((request, n))
+            budget -= n
+        return scheduled
 
     def plan(self) -> Step | None:
-        """Admit and grow for the next step; None when there is nothing to run."""
+        """Schedule the next step as vLLM's scheduler does; None when there is nothing to run."""
         if self.idle:
             return None
-        decoding = list(self.running)
-        admitted = self._admit()
-        decoding = self._grow(decoding)
-        admitted = [r for r in admitted if r in self.running]
-        if not admitted and not decoding:  # cannot happen (a lone request always fits)
+        scheduled, budget, preempted = self._schedule_running(self.config.max_batched_tokens)
+        if not preempted:  # vLLM admits nothing in a step that preempted
+            scheduled += self._schedule_waiting(budget)
+        scheduled = [(r, n) for r, n in scheduled if r in self.running]
+        if not scheduled:  # cannot happen (a lone request always fits)
             raise RuntimeError("the simulated engine has requests but can run none")
-        context = sum(r.context for r in decoding)
-        ms = self.model.step_ms(len(decoding), [r.context for r in admitted], context)
-        return Step(admitted, decoding, ms)
+        decoding, context, chunks = 0, 0, []
+        for request, n in scheduled:
+            if n == 1 and request.computed == request.context - 1 and request.generated:
+                decoding += 1
+                context += request.context
+            else:
+                chunks.append((n, request.computed))
+        return Step(scheduled, self.model.step_ms(decoding, chunks, context))
 
     def finish(self, step: Step) -> list[tuple[SimRequest, int]]:
-        """End ``step``: each of its requests still running gets a token; finished requests
-        leave the batch. Returns the (request, token id) pairs."""
+        """End ``step``: each of its requests still running computes its tokens, and those whose
+        whole context is computed get a token; finished requests leave the batch. Returns the
+        (request, token id) pairs."""
         emitted = []
-        for request in (*step.admitted, *step.decoding):
+        for request, n in step.scheduled:
             if request not in self.running:  # aborted or moved during the step
                 continue
+            request.computed += n
+            if request.computed < request.context:
+                continue  # a chunk of its prompt: no token yet
             token = request.rng.randrange(self.config.vocab_size) if request.rng is not None else 0
             request.generated += 1
             if token in request.stop_token_ids:
@@ -343,7 +403,7 @@ class SimBatch:
 
 
 def _written(request: SimRequest) -> int:
-    return request.context - 1 if request.blocks and (request.generated or request.kv_loaded) else 0
+    return request.computed if request.blocks else 0
 
 
 @dataclass(eq=False)
@@ -466,7 +526,6 @@ class SimulatedBackend:
         self._streams[request_id] = stream
         if kv_load is not None and await self._staged(kv_load.migration, kv_load.tokens):
             # Its KV arrived: it joins the batch with no prefill (or waits, if the cache filled).
-            request.kv_loaded = True
             reserved = self.batch.blocks(request.context + 1)
             if self.batch.reserve(reserved):
                 self.batch.admit_moved(request, reserved)
