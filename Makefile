@@ -164,6 +164,10 @@ bench-migration: setup models ## KV transfer bandwidth and migration stall; writ
 bench-stepfit: setup models ## Fit the simulated engine's step time to a real vLLM CPU engine, held-out error; writes docs/benchmarks.md
 	$(PY) -m bench.stepfit $(BENCH_ARGS)
 
+.PHONY: bench-simcheck
+bench-simcheck: setup models ## The fleet simulator against the real 2-engine fleet, one trace, tails compared; writes docs/benchmarks.md
+	$(PY) -m bench.simcheck $(BENCH_ARGS)
+
 .PHONY: bench-allocator
 bench-allocator: setup models ## CPU engine steps with glibc's allocator vs tcmalloc, side by side; writes docs/benchmarks.md
 	$(PY) -m bench.allocator $(BENCH_ARGS)

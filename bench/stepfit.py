@@ -3,10 +3,11 @@
 Method
 ------
 One vLLM engine as the fleet runs it (SmolLM2-135M-Instruct, the fleet's dtype, eager, 128-token
-KV blocks, 2,048-token context, vLLM's own batch limits, chunked prefill and prefix caching as
-vLLM defaults them, tcmalloc where installed, one core: ``VLLM_CPU_OMP_THREADS_BIND=0``) runs in
-a process of its own, in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so each ``step()`` call
-is one engine step and is timed alone. Batches of known make-up are built and stepped:
+KV blocks, 2,048-token context, the engine service's ``max_num_seqs``, vLLM's token budget,
+chunked prefill and prefix caching as vLLM defaults them, tcmalloc where installed) runs in a
+process of its own, in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on one thread on core 0, as
+each of the fleet's engines computes, so each ``step()`` call is one engine step, timed alone.
+Batches of known make-up are built and stepped:
 
 * ``decode``: B requests of C prompt tokens each, all past their prefill; the median of
   ``--steps`` decode steps;
@@ -81,10 +82,12 @@ class _Engine:
     def __init__(self, dtype: str, seed: int) -> None:
         from vllm import EngineArgs, LLMEngine
 
+        from shoal_engine.config import EngineConfig
+
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(
                 model=str(MODEL), dtype=dtype, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
-                enforce_eager=True, seed=seed,
+                enforce_eager=True, seed=seed, max_num_seqs=EngineConfig.model_fields["max_num_seqs"].default,
             )
         )  # fmt: skip
         scheduler = self.engine.vllm_config.scheduler_config
@@ -226,7 +229,15 @@ def shapes(quick: bool, kv_blocks: int) -> list[Batch]:
 
 
 def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Batch]]:
+    # In process, vLLM's CPU worker does not bind its threads (``VLLM_CPU_OMP_THREADS_BIND`` is
+    # applied where a worker process starts): one thread (``OMP_NUM_THREADS``, set by the parent)
+    # on core 0, as each of the fleet's engines computes.
+    os.sched_setaffinity(0, {0})
     engine = _Engine(args.dtype, args.seed)
+    import torch
+
+    if torch.get_num_threads() != 1:
+        raise RuntimeError(f"the engine computes on {torch.get_num_threads()} threads, not one")
     warm = [engine.add(engine.fresh(256), 8) for _ in range(4)]
     engine.until_first(warm)
     engine.drop(warm)
@@ -248,6 +259,11 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Batch]]:
 
 
 # ---- the fit ------------------------------------------------------------------------------------
+
+
+def load_batches(payload: dict[str, Any]) -> list[Batch]:
+    """The batches of a measurement (``run_measurement``'s, or a saved run's JSON)."""
+    return [Batch(**{**b, "chunks": [tuple(c) for c in b["chunks"]]}) for b in payload["batches"]]
 
 
 def features(batch: Batch) -> list[float]:
@@ -401,6 +417,7 @@ def run_measurement(args: argparse.Namespace) -> dict[str, Any]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("LD_PRELOAD", None)
@@ -447,7 +464,7 @@ def main() -> None:
         out = RESULTS / f"stepfit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
         out.write_text(json.dumps(payload, indent=1))
         say(f"batches in {out.relative_to(ROOT)}")
-    batches = [Batch(**{**b, "chunks": [tuple(c) for c in b["chunks"]]}) for b in payload["batches"]]
+    batches = load_batches(payload)
     model = fit(batches)
     rows = errors(model, batches, cross_validate(batches, args.seed))
     for row in rows:

@@ -130,12 +130,12 @@ STEP_MODELS = {
     for model in (
         StepModel(
             name="smollm2-cpu",
-            base_ms=12.03,
-            decode_ms=0.5306,
-            chunk_ms=4.261,
-            prefill_ms=0.2756,
-            context_us=1.33,
-            pair_us=0.1894,
+            base_ms=11.89,
+            decode_ms=0.5767,
+            chunk_ms=5.548,
+            prefill_ms=0.2817,
+            context_us=1.386,
+            pair_us=0.1957,
             source="SmolLM2-135M-Instruct in bf16 on one core of an AVX-512 (bf16) machine, as the "
             "fleet runs it: a fit to 29 measured step shapes (make bench-stepfit, docs/benchmarks.md), "
             "each within 10 % when held out of the fit. CPUs differ several times in speed: refit on "
@@ -185,6 +185,8 @@ class SimConfig:
     what a migration moves per token."""
     kv_gbps: float = 8.0
     """Gigabytes per second a migration's KV moves between two simulated engines."""
+    step: StepModel | None = None
+    """A step model of its own (a fit made in the same run) in place of ``model``'s."""
 
     @property
     def bytes_per_block(self) -> int:
@@ -236,13 +238,13 @@ class SimBatch:
     time."""
 
     def __init__(self, config: SimConfig) -> None:
-        if config.model not in STEP_MODELS:
+        if config.step is None and config.model not in STEP_MODELS:
             raise ValueError(f"unknown step model {config.model!r} (known: {', '.join(STEP_MODELS)})")
         if config.kv_blocks * config.block_size < config.max_model_len:
             # Else a request could outgrow the whole cache and wait forever.
             raise ValueError("the KV cache must hold at least one request of max_model_len tokens")
         self.config = config
-        self.model = STEP_MODELS[config.model]
+        self.model = config.step or STEP_MODELS[config.model]
         self.waiting: deque[SimRequest] = deque()
         # The running requests, oldest first, as the keys of a dict: a step asks whether each
         # of its requests still runs here (a search of a list made a step quadratic in the

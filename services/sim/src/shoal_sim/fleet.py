@@ -32,7 +32,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shoal_engine.migration import MIN_TOKENS_LEFT
@@ -66,6 +66,17 @@ class Workload:
     priority_share: float = 0.0
     """The share of requests that are priority requests (priority below 0)."""
 
+    trace: tuple[tuple[float, int, int], ...] = ()
+    """Requests to replay in place of the drawn ones: (arrival time, prompt tokens, output
+    tokens) each, by arrival."""
+
+    @classmethod
+    def replay(cls, trace: Sequence[tuple[float, int, int]]) -> Workload:
+        """The requests of ``trace`` (another run's, a real fleet's) instead of drawn ones."""
+        if not trace:
+            raise ValueError("an empty trace")
+        return cls(rate=len(trace) / max(trace[-1][0], 1e-9), requests=len(trace), trace=tuple(trace))
+
     def priorities(self) -> list[bool]:
         """Whether each request (by arrival) is a priority request; drawn apart from the lengths,
         so the same seed gives the same requests with any share."""
@@ -74,6 +85,8 @@ class Workload:
 
     def draw(self) -> list[tuple[float, int, int]]:
         """(arrival time, prompt tokens, output tokens) of each request, by arrival."""
+        if self.trace:
+            return list(self.trace)
         rng = random.Random(self.seed)
         now, out = 0.0, []
         for _ in range(self.requests):

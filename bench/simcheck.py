@@ -1,0 +1,295 @@
+"""The fleet simulator against the real fleet: one trace on both, their tails compared.
+
+Method
+------
+The simulated engine's step model is fit in the same run (``bench.stepfit``'s measurement, on
+this machine's CPU) or read from a saved fit (``--step-fit``). A trace of ``--requests``
+requests per rate, Poisson arrivals at each of ``--rates`` requests/s, lognormal prompt and
+output lengths (heavy-tailed, cut to the engines' 2,048-token context) of random token ids (no
+prefix-cache hits), goes to both:
+
+* **real**: ``shoal_fleet.launcher.Fleet`` with two SmolLM2-135M-Instruct engines as it ships
+  (one core each, vLLM's CPU build; the router's least-load dispatch and hold line, balancing
+  off), streamed ``/v1/completions`` from a client on the same machine;
+* **simulated**: ``shoal_sim.fleet.Simulation`` of two engines with the fit, the real engines'
+  KV blocks, block size, batch limits and token budget, and the router's same dispatch and hold
+  line.
+
+Per rate: TTFT (sent to first token) and decode (a request's mean time per output token after
+its first) at p50 and p99, simulated against real. Target (issue 40, part 1): P99 TTFT and P99
+decode within 20 % of the real fleet's.
+
+Results: ``bench/results/simcheck-<timestamp>.json`` and the section between
+``<!-- simcheck:begin -->`` and ``<!-- simcheck:end -->`` of ``docs/benchmarks.md``, the plot
+``docs/img/simcheck.png``. Run it with ``make bench-simcheck`` (``python -m bench.simcheck``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import stepfit
+from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, quantile, save_plot, say, stamp, table
+from bench.serving import FLEET_PORTS, MODEL_NAME, TOKEN_ID_RANGE, Progress, RequestResult, send_one
+from shoal_fleet.cpu import cpu_flags, native_dtype
+from shoal_fleet.launcher import Fleet as RealFleet
+from shoal_fleet.launcher import FleetConfig
+from shoal_router.config import RouterConfig
+from shoal_router.core.hold import HoldPolicy
+from shoal_sim.engine import SimConfig, StepModel
+from shoal_sim.fleet import Fleet, Simulation, Workload
+
+BEGIN, END = "<!-- simcheck:begin -->", "<!-- simcheck:end -->"
+TARGET = 0.20
+"""Simulated P99 TTFT and P99 decode within this share of the real fleet's."""
+ENGINES = 2
+MAX_PROMPT = 1536
+Trace = list[tuple[float, int, int]]
+
+
+def draw_trace(rate: float, requests: int, seed: int, prompt_median: float, output_median: float) -> Trace:
+    """(arrival s, prompt tokens, output tokens) per request: Poisson arrivals, lognormal lengths."""
+    rng = random.Random(seed)
+    now, out = 0.0, []
+    for _ in range(requests):
+        now += rng.expovariate(rate)
+        prompt = min(MAX_PROMPT, max(8, round(rng.lognormvariate(math.log(prompt_median), 1.0))))
+        output = max(2, round(rng.lognormvariate(math.log(output_median), 0.7)))
+        out.append((now, prompt, min(output, stepfit.MAX_MODEL_LEN - prompt - 1)))
+    return out
+
+
+# ---- the real fleet ----------------------------------------------------------------------------
+
+
+async def replay(url: str, trace: Trace, seed: int, label: str) -> list[RequestResult]:
+    rng = random.Random(seed + 7)
+    low, high = TOKEN_ID_RANGE
+    prompts = [[rng.randrange(low, high) for _ in range(p)] for _, p, _ in trace]
+    progress = Progress(label, len(trace), every=20)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+
+        async def one(index: int, at: float, prompt: list[int], output: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, progress.t0 + at - time.perf_counter()))
+            result = await send_one(client, url, prompt, output, index, progress.t0)
+            progress.finished(result)
+            return result
+
+        beat = asyncio.create_task(progress.heartbeat())
+        try:
+            return list(
+                await asyncio.gather(
+                    *(one(i, a, p, o) for i, ((a, _, o), p) in enumerate(zip(trace, prompts, strict=True)))
+                )
+            )
+        finally:
+            beat.cancel()
+
+
+def run_real(
+    args: argparse.Namespace, traces: dict[float, Trace], dtype: str
+) -> dict[float, dict[str, list[float]]]:
+    cfg = FleetConfig(
+        model_path=stepfit.MODEL,
+        served_model_name=MODEL_NAME,
+        run_dir=ROOT / ".cache" / "bench" / "simcheck",
+        engines=ENGINES,
+        cluster="bench-simcheck",
+        dtype=dtype,
+        enforce_eager=True,
+        **FLEET_PORTS,
+    )
+    fleet = RealFleet(cfg, say=lambda line: say("  " + line.strip()))
+    out: dict[float, dict[str, list[float]]] = {}
+    try:
+        fleet.start()
+        fleet.wait_ready(600.0)
+        url = cfg.base_url + "/v1/completions"
+        warm = draw_trace(4.0, 8, args.seed + 99, 64, 8)
+        asyncio.run(replay(url, warm, args.seed + 99, "warm-up"))
+        for rate, trace in traces.items():
+            results = asyncio.run(replay(url, trace, args.seed, f"real, {rate:g} req/s"))
+            failed = [r for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"{len(failed)} request(s) failed at {rate:g} req/s: {failed[0].error}")
+            out[rate] = {
+                "ttft": [(r.ttft_ms or 0.0) / 1000 for r in results],
+                "decode": [(r.tpot_ms or 0.0) / 1000 for r in results if r.tpot_ms is not None],
+            }
+    finally:
+        fleet.stop()
+    return out
+
+
+# ---- the simulated fleet -----------------------------------------------------------------------
+
+
+def run_sim(model: StepModel, settings: dict[str, Any], trace: Trace) -> dict[str, list[float]]:
+    router = RouterConfig()
+    sim = SimConfig(
+        model=model.name,
+        step=model,
+        kv_blocks=settings["kv_blocks"],
+        block_size=stepfit.BLOCK,
+        max_num_seqs=settings["max_num_seqs"],
+        max_batched_tokens=settings["max_num_batched_tokens"],
+        max_model_len=stepfit.MAX_MODEL_LEN,
+    )
+    fleet = Fleet(
+        engines=ENGINES,
+        sim=sim,
+        scheduler=router.scheduler,
+        hold=HoldPolicy(router.hold_below, router.hold_max_s) if router.hold_below > 0 else None,
+    )
+    result = Simulation(fleet, Workload.replay(trace)).run()
+    return {"ttft": result.ttft, "decode": result.decode}
+
+
+# ---- the comparison ----------------------------------------------------------------------------
+
+
+def compare(real: dict[str, list[float]], sim: dict[str, list[float]]) -> dict[str, float]:
+    row: dict[str, float] = {}
+    for measure in ("ttft", "decode"):
+        for q in (50, 99):
+            a, b = quantile(real[measure], q / 100), quantile(sim[measure], q / 100)
+            row[f"real_{measure}_p{q}"], row[f"sim_{measure}_p{q}"] = a, b
+            row[f"{measure}_p{q}_error"] = b / a - 1.0
+    return row
+
+
+def plot(rows: dict[float, dict[str, float]]) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 3.8))
+    rates = sorted(rows)
+    for ax, (measure, unit, scale) in zip(axes, (("ttft", "s", 1.0), ("decode", "ms", 1000.0)), strict=True):
+        for q, style in ((50, "--"), (99, "-")):
+            ax.plot(
+                rates,
+                [rows[r][f"real_{measure}_p{q}"] * scale for r in rates],
+                style,
+                marker="o",
+                label=f"real p{q}",
+            )
+            ax.plot(
+                rates,
+                [rows[r][f"sim_{measure}_p{q}"] * scale for r in rates],
+                style,
+                marker="x",
+                label=f"simulated p{q}",
+            )
+        ax.set_xlabel("requests/s")
+        ax.set_ylabel(f"{'TTFT' if measure == 'ttft' else 'decode, per token'} ({unit})")
+        ax.legend(fontsize=8)
+    fig.suptitle("Two SmolLM2 engines, one core each: the real fleet and its simulation, one trace")
+    fig.tight_layout()
+    save_plot(fig, IMG / "simcheck.png")
+
+
+def section(
+    rows: dict[float, dict[str, float]], args: argparse.Namespace, model: StepModel, minutes: float
+) -> str:
+    def pct(value: float) -> str:
+        return f"{value * 100:+.0f} %"
+
+    cells = []
+    for rate in sorted(rows):
+        r = rows[rate]
+        cells.append(
+            [
+                f"{rate:g}",
+                f"{r['real_ttft_p50']:.2f} / {r['sim_ttft_p50']:.2f} s",
+                f"{r['real_ttft_p99']:.2f} / {r['sim_ttft_p99']:.2f} s ({pct(r['ttft_p99_error'])})",
+                f"{r['real_decode_p50'] * 1000:.0f} / {r['sim_decode_p50'] * 1000:.0f} ms",
+                f"{r['real_decode_p99'] * 1000:.0f} / {r['sim_decode_p99'] * 1000:.0f} ms "
+                f"({pct(r['decode_p99_error'])})",
+            ]
+        )
+    worst = max((abs(r[f"{m}_p99_error"]), m, rate) for rate, r in rows.items() for m in ("ttft", "decode"))
+    return "\n".join(
+        [
+            BEGIN,
+            "## The fleet simulator against the real fleet",
+            "",
+            f"`make bench-simcheck` ({minutes:.0f} min): one trace per rate ({args.requests} requests, "
+            f"Poisson arrivals, lognormal prompts of median {args.prompt_median} tokens and outputs of "
+            f"median {args.output_median}, random token ids, seed {args.seed}) sent to the real fleet "
+            "(two SmolLM2-135M-Instruct engines as `make run` starts them, one core each, the router's "
+            "least-load dispatch and hold line) and replayed in the fleet simulator (two engines of the "
+            "step model fit in the same run, the real engines' KV blocks, budget and batch limits, the "
+            "same dispatch and hold line). TTFT from send to first token at the client; decode is a "
+            "request's mean time per token after its first. Real / simulated, error of the simulation in "
+            f"brackets; target: P99s within {TARGET * 100:.0f} %.",
+            "",
+            stamp(),
+            "",
+            *table(["req/s", "TTFT p50", "TTFT p99", "decode p50", "decode p99"], "rrrrr", cells),
+            "",
+            f"Largest P99 error: {pct(worst[0])} ({'TTFT' if worst[1] == 'ttft' else 'decode'} at "
+            f"{worst[2]:g} req/s), {'within' if worst[0] <= TARGET else 'outside'} the target. "
+            f"Step model: {', '.join(f'{t} {getattr(model, t):.3g}' for t in stepfit.TERMS)}.",
+            "",
+            "![simulator against the real fleet](img/simcheck.png)",
+            END,
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", default="2,4,6", help="requests/s, comma-separated")
+    parser.add_argument("--requests", type=int, default=120, help="requests per rate")
+    parser.add_argument("--prompt-median", type=int, default=256)
+    parser.add_argument("--output-median", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-fit", type=Path, help="a saved bench.stepfit run, in place of measuring")
+    parser.add_argument("--no-docs", action="store_true", help="print the results, leave the docs alone")
+    args = parser.parse_args()
+    if not stepfit.MODEL.exists():
+        raise SystemExit(f"{stepfit.MODEL} is missing: run `make models` first")
+    started = time.monotonic()
+    dtype = native_dtype(cpu_flags())[0]
+    if args.step_fit:
+        payload = json.loads(args.step_fit.read_text())
+    else:
+        say("[1/3] fitting the step model on this machine (bench.stepfit's shapes)")
+        fit_args = argparse.Namespace(repeats=3, steps=8, seed=args.seed, dtype=dtype, quick=False)
+        payload = stepfit.run_measurement(fit_args)
+    batches = stepfit.load_batches(payload)
+    model = stepfit.fit(batches)
+    say("  fit: " + ", ".join(f"{t}={getattr(model, t):.4g}" for t in stepfit.TERMS))
+    rates = [float(r) for r in args.rates.split(",")]
+    traces = {
+        rate: draw_trace(rate, args.requests, args.seed + i, args.prompt_median, args.output_median)
+        for i, rate in enumerate(rates)
+    }
+    say(f"[2/3] the real fleet: {len(rates)} rate(s), {args.requests} requests each")
+    real = run_real(args, traces, dtype)
+    say("[3/3] the same traces, simulated")
+    rows = {rate: compare(real[rate], run_sim(model, payload["settings"], traces[rate])) for rate in rates}
+    for rate, r in rows.items():
+        say(
+            f"  {rate:g} req/s: TTFT p99 {r['real_ttft_p99']:.2f} real, {r['sim_ttft_p99']:.2f} simulated; "
+            f"decode p99 {r['real_decode_p99'] * 1000:.0f} / {r['sim_decode_p99'] * 1000:.0f} ms"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"simcheck-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out.write_text(json.dumps({"fit": payload, "traces": traces, "real": real, "rows": rows}, indent=1))
+    say(f"results in {out.relative_to(ROOT)}")
+    if not args.no_docs:
+        plot(rows)
+    minutes = (time.monotonic() - started) / 60
+    publish(section(rows, args, model, minutes), BEGIN, END, print_only=args.no_docs)
+
+
+if __name__ == "__main__":
+    main()
