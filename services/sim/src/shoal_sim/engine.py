@@ -130,16 +130,16 @@ STEP_MODELS = {
     for model in (
         StepModel(
             name="smollm2-cpu",
-            base_ms=11.89,
-            decode_ms=0.5767,
-            chunk_ms=5.548,
-            prefill_ms=0.2817,
-            context_us=1.386,
-            pair_us=0.1957,
+            base_ms=13.98,
+            decode_ms=0.9342,
+            chunk_ms=1.891,
+            prefill_ms=0.5038,
+            context_us=2.927,
+            pair_us=0.3686,
             source="SmolLM2-135M-Instruct in bf16 on one core of an AVX-512 (bf16) machine, as the "
-            "fleet runs it: a fit to 29 measured step shapes (make bench-stepfit, docs/benchmarks.md), "
-            "each within 10 % when held out of the fit. CPUs differ several times in speed: refit on "
-            "the machine a comparison runs on",
+            "fleet runs it: a fit to 29 measured step shapes (make bench-stepfit, docs/benchmarks.md, "
+            "with each shape's error held out of the fit). CPUs differ several times in speed: refit "
+            "on the machine a comparison runs on",
         ),
         StepModel(
             name="llama3-8b-a100",
