@@ -211,6 +211,8 @@ class SimRequest:
     finish: FinishReason | None = None
     preempted: int = 0
     """Times it was preempted (its blocks freed) here."""
+    load_ms: float = 0.0
+    """Added to the next step that runs it (a moved request's admission and KV load)."""
 
     @property
     def context(self) -> int:
@@ -369,14 +371,15 @@ class SimBatch:
         scheduled = [(r, n) for r, n in scheduled if r in self.running]
         if not scheduled:  # cannot happen (a lone request always fits)
             raise RuntimeError("the simulated engine has requests but can run none")
-        decoding, context, chunks = 0, 0, []
+        decoding, context, chunks, extra = 0, 0, [], 0.0
         for request, n in scheduled:
+            extra, request.load_ms = extra + request.load_ms, 0.0
             if n == 1 and request.computed == request.context - 1 and request.generated:
                 decoding += 1
                 context += request.context
             else:
                 chunks.append((n, request.computed))
-        return Step(scheduled, self.model.step_ms(decoding, chunks, context))
+        return Step(scheduled, self.model.step_ms(decoding, chunks, context) + extra)
 
     def finish(self, step: Step) -> list[tuple[SimRequest, int]]:
         """End ``step``: each of its requests still running computes its tokens, and those whose

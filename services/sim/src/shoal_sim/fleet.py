@@ -49,10 +49,13 @@ ROUTER = "sim-router"
 
 @dataclass(frozen=True)
 class Workload:
-    """Poisson arrivals with lognormal (heavy-tailed) prompt and output lengths.
+    """Arrivals at ``rate`` with heavy-tailed prompt and output lengths.
 
-    The defaults follow ShareGPT's shape: most prompts short, a long tail of long ones; outputs
-    of a few hundred tokens, a tail past a thousand."""
+    The defaults follow ShareGPT's shape, Poisson arrivals and lognormal lengths: most prompts
+    short, a long tail of long ones; outputs of a few hundred tokens, a tail past a thousand.
+    ``burstiness`` below 1 makes arrivals come in bursts (gamma-distributed gaps, as BurstGPT
+    fits real traces); ``pareto_alpha`` draws power-law lengths instead (Llumnix's generated
+    workloads), with the same medians."""
 
     rate: float
     """Requests per second, all engines together."""
@@ -65,6 +68,12 @@ class Workload:
     seed: int = 0
     priority_share: float = 0.0
     """The share of requests that are priority requests (priority below 0)."""
+    burstiness: float = 1.0
+    """The shape of the gamma distribution of the gaps between arrivals: 1 is a Poisson
+    process; below 1 the gaps vary more (their coefficient of variation is 1/sqrt(shape))."""
+    pareto_alpha: float = 0.0
+    """Above 0: prompt and output lengths follow a Pareto law of this index (smaller: heavier
+    tail) instead of a lognormal one."""
 
     trace: tuple[tuple[float, int, int], ...] = ()
     """Requests to replay in place of the drawn ones: (arrival time, prompt tokens, output
@@ -90,13 +99,20 @@ class Workload:
         rng = random.Random(self.seed)
         now, out = 0.0, []
         for _ in range(self.requests):
-            now += rng.expovariate(self.rate)
-            prompt = min(
-                max(4, round(rng.lognormvariate(math.log(self.prompt_median), self.prompt_sigma))), 3072
-            )
-            output = max(4, round(rng.lognormvariate(math.log(self.output_median), self.output_sigma)))
+            if self.burstiness == 1.0:
+                now += rng.expovariate(self.rate)
+            else:
+                now += rng.gammavariate(self.burstiness, 1.0 / (self.burstiness * self.rate))
+            prompt = min(max(4, round(self._length(rng, self.prompt_median, self.prompt_sigma))), 3072)
+            output = max(4, round(self._length(rng, self.output_median, self.output_sigma)))
             out.append((now, prompt, min(output, self.max_model_len - prompt)))
         return out
+
+    def _length(self, rng: random.Random, median: float, sigma: float) -> float:
+        if self.pareto_alpha > 0:
+            # A Pareto law's median is its scale times 2 ** (1 / alpha).
+            return median / 2 ** (1 / self.pareto_alpha) * rng.paretovariate(self.pareto_alpha)
+        return rng.lognormvariate(math.log(median), sigma)
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,11 @@ class Fleet:
     max_stages: int = 3
     last_stage_blocks: int = 2
     """Pre-copy stages go on while more blocks than this filled during the last one."""
+    move_load_ms: float = 10.0
+    """What a moved request adds to its first step on the target: admitting it and loading its
+    staged blocks into the KV cache. Measured on CPU engines (``bench.migration``'s hand-over:
+    admission, and the first step over the target's usual one, together 7-12 ms across
+    contexts); the GPU profiles are charged the same, which no GPU run has checked."""
 
 
 @dataclass(eq=False)
@@ -146,6 +167,11 @@ class _Tracked:
     preemption_loss: float = 0.0
     moving: bool = False
     priority: bool = False
+    handed_over: float = -1.0
+    """While a move's first token on the target is awaited: the request's last token on the
+    source, from which the client's gap is counted."""
+    usual_gap: float = 0.0
+    """Its mean gap between tokens before the move."""
 
 
 @dataclass
@@ -165,6 +191,8 @@ class Result:
     migrations: int
     migration_refused: int
     stall_ms: list[float]
+    """Per move: the client's gap at the hand-over (its last token on the source to its first
+    on the target) minus its usual gap before the move."""
     empty_engines: float = 0.0
     """Engines holding no request, on average over the second half of the arrival window (load
     reports' view): what a scale-down could remove without moving anything."""
@@ -356,6 +384,10 @@ class Simulation:
             if tracked.preempted_at >= 0:
                 tracked.preemption_loss += self.now - tracked.preempted_at
                 tracked.preempted_at = -1.0
+            if tracked.handed_over >= 0:
+                # The client's stall: the hand-over gap minus the request's usual gap.
+                self.stalls.append((self.now - tracked.handed_over - tracked.usual_gap) * 1000.0)
+                tracked.handed_over = -1.0
             tracked.last = self.now
             if request.finish is not None:
                 view = self.views[tracked.engine]
@@ -458,19 +490,21 @@ class Simulation:
             if number < fleet.max_stages and fresh > fleet.last_stage_blocks:
                 self.at(self.now + self._copy_s(fresh), lambda: stage(number + 1, full))
                 return
-            # Stop: the request leaves the source's batch; the rest and the partial block go.
+            # Stop: the request leaves the source's batch (a token of the step in progress is
+            # lost); the rest and the partial block go.
             batch.drop(request)
-            stall = self._copy_s(fresh + 1) + fleet.rpc_ms / 1000.0
+            tracked.handed_over = tracked.last
+            tracked.usual_gap = (tracked.last - tracked.first) / max(1, request.generated - 1)
             self._wake(src)
-            self.at(self.now + stall, lambda: commit(stall))
+            self.at(self.now + self._copy_s(fresh + 1) + fleet.rpc_ms / 1000.0, commit)
 
-        def commit(stall: float) -> None:
+        def commit() -> None:
+            request.load_ms = fleet.move_load_ms
             self.batches[dst].admit_moved(request, reserved)
             tracked.engine, tracked.moving = dst, False
             self.views[src].inflight = max(0, self.views[src].inflight - 1)
             self.views[dst].inflight += 1
             self.migrations += 1
-            self.stalls.append(stall * 1000.0)
             self.balancer.ended(move, self.now)
             self._wake(dst)
 
