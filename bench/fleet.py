@@ -1,66 +1,91 @@
-"""Fleet benchmark: round-robin vs least-load, with migration and holding, on simulated engines.
+"""Fleet benchmark: least-load dispatch with and without the hold line and migration, simulated.
 
 Method
 ------
-Llumnix's experiment (OSDI'24) on Shoal's own code, at fleet sizes one machine cannot run for
-real: ``shoal_sim.fleet`` runs engines as the simulated engine's ``SimBatch`` (batch, KV
-blocks, recompute preemption, step-time model) on simulated time, dispatch as the router's
-``Scheduler`` over its ``EngineView`` objects fed 100 ms load reports, and balancing as the
-router's ``Balancer`` with moves timed by the migration protocol's stages (see the module), and
-the router's hold line (``core.hold``) released at each load report.
+Llumnix's question (OSDI'24: does live migration beat the best dispatch without it?) on Shoal's
+own code, at a fleet size one machine cannot run for real: ``shoal_sim.fleet`` runs engines as
+the simulated engine's ``SimBatch`` (vLLM's scheduler with chunked prefill, KV blocks,
+recompute preemption, a step-time model) on simulated time, dispatch as the router's
+``Scheduler`` over its ``EngineView`` objects fed 100 ms load reports, the router's hold line
+(``core.hold``) and balancing as the router's ``Balancer``, with moves timed by the migration
+protocol's stages and charged what clients of real moves see (``Fleet.move_load_ms``).
 
 Engines model LLaMA-2-7B in fp16 on an A10-24GB (``llama2-7b-a10``: a roofline step-time
-estimate; 1,024 KV blocks of 16 tokens, about what the card holds beside the weights), KV moved
-at ``--kv-gbps``. Requests arrive as a Poisson process; prompt and output lengths are lognormal
-(heavy-tailed, ShareGPT's shape; the table lists the drawn percentiles). For each rate the four
-policies get the same requests:
+estimate, never checked on a GPU; 1,024 KV blocks of 16 tokens, about what the card holds
+beside the weights), KV moved at ``--kv-gbps``. Every policy runs at the settings the router
+ships (``RouterConfig``'s defaults), and gets the same requests:
 
-* ``round_robin``: the router's ``round_robin`` profile;
-* ``least_load``: the ``least_load`` profile (Llumnix's freeness);
-* ``least_load+migration``: the same, with the ``Balancer`` moving running requests;
-* ``least_load+migration+hold``: the same, with new requests held at the router while every
-  engine is short of KV (``--hold-below`` blocks per batch slot, at most ``--hold-max`` seconds),
-  as the router does by default.
+* ``least_load``: the router's default dispatch, the hold line off;
+* ``least_load+hold``: the same with the hold line, as the router ships (the baseline);
+* ``+migration``: the same with balancing on, at the router's balancing defaults;
+* ``+migration (eager)``: balancing every 0.2 s at threshold 0.01, patience 1, cooldown 1 s, 8
+  moves at once (the settings this benchmark ran before it compared shipped settings).
 
-TTFT is arrival to first token; decode latency is a request's mean time per output token after
-the first; preemption loss is the time preempted requests spent between being preempted and
-their next token. The highest sustained rate is the highest swept rate at which the last policy
-delivers, over the second half of the arrival window, at least 95% of the output
-tokens per second the requests ask for (past it, requests queue without bound). The same rate
-per engine then runs on 64 and 256 engines.
+Three workload shapes: ``sharegpt`` (Poisson arrivals, lognormal lengths of ShareGPT's shape),
+``generated`` (Poisson, Pareto lengths with the same medians: Llumnix's generated heavy tails)
+and ``bursty`` (ShareGPT's lengths, gamma-distributed gaps with a coefficient of variation of 2,
+as BurstGPT fits real traces). Every swept rate runs ``--seeds`` seeds; each cell is the mean
+over seeds with a 95 % t-interval. TTFT is arrival to first token, decode a request's mean time
+per output token after its first, preemption loss the time preempted requests spent between
+being preempted and their next token. A rate is sustained when every seed delivers, over the
+second half of the arrival window, at least 95 % of the output tokens per second that the
+requests arriving in it ask for; the knee of a shape is the highest rate the baseline sustains.
 
 Results go between ``<!-- fleet:begin -->`` and ``<!-- fleet:end -->`` of ``docs/benchmarks.md``,
-plots to ``docs/img/fleet_*.png``. Run it with ``python -m bench.fleet`` (``make bench-fleet``).
+the plot to ``docs/img/fleet_policies.png``, every run's numbers to ``bench/results/``. Run it
+with ``python -m bench.fleet`` (``make bench-fleet``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from bench.harness import IMG, publish, pyplot, quantile, save_plot, stamp, table
+from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, save_plot, say, stamp, table
+from shoal_router.config import RouterConfig
 from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy
 from shoal_sim.engine import STEP_MODELS, SimConfig
-from shoal_sim.fleet import Fleet, Result, Simulation, Workload
+from shoal_sim.fleet import Fleet, Simulation, Workload
 
 BEGIN, END = "<!-- fleet:begin -->", "<!-- fleet:end -->"
-POLICIES = {  # name: (scheduler, migration, hold)
-    "round_robin": ("round_robin", False, False),
-    "least_load": ("least_load", False, False),
-    "least_load+migration": ("least_load", True, False),
-    "least_load+migration+hold": ("least_load", True, True),
-}
-FULL = "least_load+migration+hold"
-"""Shoal's policy: the one the targets and the highest sustained rate are read from."""
 SIM = SimConfig(
     model="llama2-7b-a10", kv_blocks=1024, max_num_seqs=256, max_batched_tokens=4096, max_model_len=4096
 )
+SHAPES: dict[str, dict[str, float]] = {
+    "sharegpt": {},
+    "generated": {"pareto_alpha": 1.5},
+    "bursty": {"burstiness": 0.25},
+}
+RATES = {
+    "sharegpt": "24,26,28,30,32",
+    "generated": "14,16,18,20,22",
+    "bursty": "22,24,26,28,30",
+}
+"""Requests/s swept per shape on 16 engines, around each shape's knee."""
+BASELINE = "least_load+hold"
+MIGRATION = "+migration"
+EAGER = "+migration (eager)"
+POLICIES = ("least_load", BASELINE, MIGRATION, EAGER)
+MEASURES = (
+    ("ttft_p99_s", "TTFT p99 (s)", 2),
+    ("decode_p99_ms", "decode p99 (ms)", 1),
+    ("preemption_loss_s", "preemption loss (s)", 0),
+)
+TARGETS = {"ttft_p99_s": 2.0, "decode_p99_ms": 1.3, "preemption_loss_s": 2.0}
+"""Part 3's targets against the baseline at each shape's knee: P99 TTFT 2x better, P99 decode
+1.3x, preemption loss halved."""
 
 
 def add_simulation_args(parser: argparse.ArgumentParser) -> None:
-    """The options every simulated-fleet benchmark shares: seed, KV bandwidth, balancing."""
+    """The options the other simulated-fleet benchmarks share: seed, KV bandwidth, balancing
+    (theirs move eagerly: every 0.2 s, threshold 0.01, patience 1, cooldown 1 s, 8 at once)."""
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-gbps", type=float, default=8.0, help="KV bandwidth between engines, GB/s")
     parser.add_argument("--balance-interval", type=float, default=0.2)
@@ -91,216 +116,263 @@ def simulated_fleet(args: argparse.Namespace, engines: int, **fleet: Any) -> Fle
     )
 
 
-def run(args: argparse.Namespace, engines: int, rate: float, requests: int, policy: str) -> dict[str, Any]:
-    scheduler, migrate, hold = POLICIES[policy]
-    held = HoldPolicy(args.hold_below, args.hold_max) if hold else None
-    fleet = simulated_fleet(args, engines, scheduler=scheduler, migrate=migrate, hold=held)
-    workload = Workload(rate=rate, requests=requests, seed=args.seed)
-    step = max(1, requests // 4)
-
-    def progress(done: int) -> None:
-        if done % step == 0 and done < requests:
-            print(f"      {done:,}/{requests:,} requests done", flush=True)
-
-    started = time.monotonic()
-    result: Result = Simulation(fleet, workload, progress).run()
-    row: dict[str, Any] = {"engines": engines, "rate": rate, "policy": policy, **result.summary()}
-    row["sustained"] = row["steady_tokens_per_s"] >= 0.95 * row["offered_tokens_per_s"]
-    row["wall_s"] = time.monotonic() - started
-    print(
-        f"  {engines:>3} engines, {rate:6.1f} req/s, {policy:<21} TTFT p99 {row['ttft_p99_s']:7.2f} s, "
-        f"decode p99 {row['decode_p99_ms']:6.1f} ms, preemptions {row['preemptions']:>5}, "
-        f"{row['steady_tokens_per_s']:6.0f}/{row['offered_tokens_per_s']:.0f} tok/s, "
-        f"{row['migrations']:>5} moves, {row['held']:>5} held ({row['wall_s']:.0f} s)",
-        flush=True,
+def policy_fleet(policy: str, engines: int, kv_gbps: float) -> Fleet:
+    """The fleet ``policy`` names, at the router's shipped settings but for what it changes."""
+    router = RouterConfig()
+    hold = HoldPolicy(router.hold_below, router.hold_max_s) if policy != "least_load" else None
+    shipped = BalancePolicy(threshold=router.balance_threshold, cooldown_s=router.balance_cooldown_s)
+    eager = BalancePolicy(threshold=0.01, patience=1, cooldown_s=1.0, max_concurrent=8)
+    return Fleet(
+        engines=engines,
+        sim=SIM,
+        scheduler=router.scheduler,
+        hold=hold,
+        migrate=policy in (MIGRATION, EAGER),
+        balance=eager if policy == EAGER else shipped,
+        balance_interval_s=0.2 if policy == EAGER else router.balance_interval_s,
+        kv_bandwidth_gbps=kv_gbps,
     )
+
+
+@dataclass(frozen=True)
+class Run:
+    shape: str
+    rate: float
+    seed: int
+    policy: str
+    engines: int
+    requests: int
+    kv_gbps: float
+
+
+def run(spec: Run) -> dict[str, Any]:
+    """One simulation (in a worker process): its summary, with what it ran."""
+    workload = Workload(rate=spec.rate, requests=spec.requests, seed=spec.seed, **SHAPES[spec.shape])
+    started = time.monotonic()
+    result = Simulation(policy_fleet(spec.policy, spec.engines, spec.kv_gbps), workload).run()
+    row: dict[str, Any] = {**spec.__dict__, **result.summary()}
+    row["sustained"] = row["steady_tokens_per_s"] >= 0.95 * row["asked_steady_tokens_per_s"]
+    row["wall_s"] = time.monotonic() - started
     return row
 
 
-def sweep(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    rows = []
-    rates = [float(r) for r in args.rates.split(",")]
-    total = len(rates) * len(POLICIES)
-    for i, rate in enumerate(rates):
-        for j, policy in enumerate(POLICIES):
-            print(f"  [{i * len(POLICIES) + j + 1}/{total}] {args.engines} engines at {rate} req/s, {policy}")
-            rows.append(run(args, args.engines, rate, args.requests, policy))
-    sustained = [r["rate"] for r in rows if r["policy"] == FULL and r["sustained"]]
-    scale_rows = []
-    if sustained and args.scale:
-        per_engine = max(sustained) / args.engines
-        for engines in (int(e) for e in args.scale.split(",")):
-            requests = args.requests * engines // args.engines
-            for policy in POLICIES:
-                print(f"  {engines} engines at {per_engine * engines:.0f} req/s, {policy}")
-                scale_rows.append(run(args, engines, per_engine * engines, requests, policy))
-    return rows, scale_rows
-
-
-def plots(rows: list[dict[str, Any]], engines: int) -> None:
-    plt = pyplot()
-    metrics = [
-        ("ttft_p99_s", "TTFT p99 (s)", True),
-        ("decode_p99_ms", "decode latency p99 (ms per token)", False),
-        ("preemptions", "preemptions", False),
-        ("steady_tokens_per_s", "output tokens/s delivered (steady)", False),
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    specs = [
+        Run(shape, float(rate), seed, policy, args.engines, args.requests, args.kv_gbps)
+        for shape in args.shapes.split(",")
+        for rate in (args.rates or RATES[shape]).split(",")
+        for seed in range(args.seed, args.seed + args.seeds)
+        for policy in POLICIES
     ]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, label, log) in zip(axes.flat, metrics, strict=True):
-        for policy, marker in zip(POLICIES, "os^D", strict=True):
-            points = [r for r in rows if r["policy"] == policy]
-            ax.plot([r["rate"] for r in points], [r[key] for r in points], f"{marker}-", label=policy)
-        if log:
-            ax.set_yscale("log")
-        ax.set_xlabel("arrival rate (requests/s)")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend()
-    fig.suptitle(f"{engines} simulated engines (LLaMA-2-7B on A10), Poisson arrivals, ShareGPT-like lengths")
+    rows = []
+    say(f"{len(specs)} simulations ({args.requests:,} requests each) on {args.workers} process(es)")
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        for i, row in enumerate(pool.map(run, specs), 1):
+            rows.append(row)
+            if i % len(POLICIES) == 0 and (i // len(POLICIES)) % args.seeds == 0:
+                say(
+                    f"  [{i}/{len(specs)}] {row['shape']} at {row['rate']:g} req/s, {args.seeds} seeds: "
+                    f"{row['policy']} TTFT p99 {row['ttft_p99_s']:.2f} s (seed {row['seed']})"
+                )
+    return rows
+
+
+# ---- statistics ---------------------------------------------------------------------------------
+
+_T975 = {1: 12.71, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % t-interval."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    return mean, _T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def cells(rows: list[dict[str, Any]]) -> dict[tuple[str, float, str], dict[str, Any]]:
+    """Per (shape, rate, policy): each measure's mean and half-width, and whether every seed
+    sustained the rate."""
+    grouped: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault((row["shape"], row["rate"], row["policy"]), []).append(row)
+    out = {}
+    for key, runs in grouped.items():
+        cell: dict[str, Any] = {"sustained": all(r["sustained"] for r in runs), "seeds": len(runs)}
+        for measure, _, _ in MEASURES:
+            cell[measure] = interval([float(r[measure]) for r in runs])
+        cell["migrations"] = statistics.fmean(r["migrations"] for r in runs)
+        out[key] = cell
+    return out
+
+
+def verdict(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """What ``a`` does against ``b`` (lower is better), measure by measure: ``+`` better beyond
+    both intervals, ``-`` worse beyond them, ``=`` within them."""
+    marks = []
+    for measure, _, _ in MEASURES:
+        (ma, ha), (mb, hb) = a[measure], b[measure]
+        margin = (0.0 if math.isnan(ha) else ha) + (0.0 if math.isnan(hb) else hb)
+        marks.append("+" if ma < mb - margin else "-" if ma > mb + margin else "=")
+    return "".join(marks)
+
+
+def knee(table_: dict[tuple[str, float, str], dict[str, Any]], shape: str) -> float | None:
+    rates = sorted(rate for s, rate, policy in table_ if s == shape and policy == BASELINE)
+    sustained = [rate for rate in rates if table_[(shape, rate, BASELINE)]["sustained"]]
+    return max(sustained) if sustained else None
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+
+def plot(table_: dict[tuple[str, float, str], dict[str, Any]], shapes: list[str]) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(2, len(shapes), figsize=(4.2 * len(shapes), 7), squeeze=False)
+    for column, shape in enumerate(shapes):
+        for row, (measure, label, _) in enumerate(MEASURES[:2]):
+            ax = axes[row][column]
+            for policy, marker in zip(POLICIES, "os^D", strict=True):
+                rates = sorted(r for s, r, p in table_ if s == shape and p == policy)
+                means = [table_[(shape, r, policy)][measure][0] for r in rates]
+                errors = [table_[(shape, r, policy)][measure][1] for r in rates]
+                ax.errorbar(rates, means, yerr=errors, marker=marker, capsize=3, label=policy)
+            if measure == "ttft_p99_s":
+                ax.set_yscale("log")
+                ax.set_title(shape)
+            ax.set_xlabel("arrival rate (requests/s)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("16 simulated engines (LLaMA-2-7B on A10, roofline): mean and 95 % interval over seeds")
     fig.tight_layout()
     save_plot(fig, IMG / "fleet_policies.png")
 
 
-HEADER = [
-    "engines", "req/s", "policy", "TTFT p50 (s)", "TTFT p99 (s)", "decode p50 (ms)", "decode p99 (ms)",
-    "preemptions", "preemption loss (s)", "tokens/s delivered / asked", "moves", "held", "held p99 (s)",
-    "sustained",
-]  # fmt: skip
+def _mean(cell: dict[str, Any], measure: str, digits: int) -> str:
+    mean, half = cell[measure]
+    return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f}±{half:.{digits}f}"
 
 
-def _cells(r: dict[str, Any]) -> list[str]:
+def _shape_table(table_: dict[tuple[str, float, str], dict[str, Any]], shape: str) -> list[str]:
+    header = ["req/s"]
+    for _, label, _ in MEASURES:
+        header.append(f"{label}: least-load / +hold / +migration / eager")
+    header += ["migration vs +hold", "moves", "sustained"]
+    rows = []
+    for rate in sorted(r for s, r, p in table_ if s == shape and p == BASELINE):
+        at = {policy: table_[(shape, rate, policy)] for policy in POLICIES}
+        line = [f"{rate:g}"]
+        for measure, _, digits in MEASURES:
+            line.append(" / ".join(_mean(at[policy], measure, digits) for policy in POLICIES))
+        line.append(f"{verdict(at[MIGRATION], at[BASELINE])}, eager {verdict(at[EAGER], at[BASELINE])}")
+        line.append(f"{at[MIGRATION]['migrations']:.0f} / {at[EAGER]['migrations']:.0f}")
+        line.append("yes" if at[BASELINE]["sustained"] else "no")
+        rows.append(line)
+    return table(header, "rrrrlrl", rows)
+
+
+def _targets(table_: dict[tuple[str, float, str], dict[str, Any]], shapes: list[str]) -> list[str]:
+    rows, met_shapes = [], 0
+    for shape in shapes:
+        rate = knee(table_, shape)
+        if rate is None:
+            rows.append([shape, "none sustained", "", "", "", ""])
+            continue
+        base = table_[(shape, rate, BASELINE)]
+        best = []
+        for policy in (MIGRATION, EAGER):
+            cell = table_[(shape, rate, policy)]
+            gains = {m: base[m][0] / cell[m][0] if cell[m][0] else math.inf for m in TARGETS}
+            best.append((all(gains[m] >= TARGETS[m] for m in TARGETS), policy, gains))
+        met, policy, gains = max(best, key=lambda b: (b[0], min(b[2][m] / TARGETS[m] for m in TARGETS)))
+        met_shapes += met
+        rows.append(
+            [
+                shape,
+                f"{rate:g}",
+                policy,
+                *(f"{gains[m]:.2f}x" if gains[m] != math.inf else "all" for m in TARGETS),
+                "met" if met else "not met",
+            ]
+        )
+    header = ["shape", "knee (req/s)", "best migration", "TTFT p99 (target 2x)", "decode p99 (1.3x)",
+              "preemption loss (2x)", "targets"]  # fmt: skip
     return [
-        str(r["engines"]), f"{r['rate']:.1f}", r["policy"],
-        f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
-        f"{r['decode_p50_ms']:.1f}", f"{r['decode_p99_ms']:.1f}",
-        f"{r['preemptions']:,}", f"{r['preemption_loss_s']:.0f}",
-        f"{r['steady_tokens_per_s']:,.0f} / {r['offered_tokens_per_s']:,.0f}",
-        f"{r['migrations']:,}", f"{r['held']:,}", f"{r['held_p99_s']:.2f}",
-        "yes" if r["sustained"] else "no",
-    ]  # fmt: skip
-
-
-def _policies_table(rows: list[dict[str, Any]]) -> list[str]:
-    return table(HEADER, "rr-rrrrrrrrrr-", (_cells(r) for r in rows))
-
-
-def _target_cells(engines: int, rate: float, at: dict[str, dict[str, Any]]) -> list[str]:
-    rr, full = at["round_robin"], at[FULL]
-
-    def each(key: str, digits: int) -> str:
-        return " / ".join(f"{at[policy][key]:.{digits}f}" for policy in POLICIES)
-
-    def ratio(key: str) -> str:
-        return f"{rr[key] / full[key]:.1f}x" if full[key] else "all"
-
-    loss = rr["preemption_loss_s"]
-    cut = f"{1 - full['preemption_loss_s'] / loss:.0%}" if loss else "none to cut"
-    return [
-        str(engines), f"{rate:g}", each("ttft_p99_s", 2), ratio("ttft_p99_s"), each("decode_p99_ms", 1),
-        ratio("decode_p99_ms"), each("preemption_loss_s", 0), cut,
-    ]  # fmt: skip
-
-
-def _targets(rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> list[str]:
-    sustained = [r["rate"] for r in rows if r["policy"] == FULL and r["sustained"]]
-    if not sustained:
-        return ["No swept rate was sustained; no target row."]
-    rate = max(sustained)
-    points = [(rows[0]["engines"], rate), *sorted({(r["engines"], r["rate"]) for r in scale_rows})]
-    lines = [
-        f"Targets at {rate:.1f} req/s, the highest swept rate least-load plus migration and holding "
-        f"sustains on {rows[0]['engines']} engines, and at the same rate per engine on larger fleets; "
-        "each cell reads round-robin / least-load / least-load + migration / least-load + migration "
-        "+ holding, and the cut is round-robin's against the last one's:",
+        *table(header, "lrlrrrl", rows),
         "",
+        f"Targets met on {met_shapes} of {len(shapes)} shapes (part 3 asks for 2).",
     ]
-    cells = []
-    for engines, at_rate in points:
-        at = {r["policy"]: r for r in rows + scale_rows if (r["engines"], r["rate"]) == (engines, at_rate)}
-        cells.append(_target_cells(engines, at_rate, at))
-    header = [
-        "engines", "req/s", "TTFT p99 (s)", "cut (target 10x)", "decode p99 (ms)", "cut (target 1.5x)",
-        "preemption loss (s)", "cut (target 70%)",
-    ]  # fmt: skip
-    return lines + table(header, "rrrrrrrr", cells)
 
 
-def section(args: argparse.Namespace, rows: list[dict[str, Any]], scale_rows: list[dict[str, Any]]) -> str:
-    draw = Workload(rate=1.0, requests=20_000, seed=args.seed).draw()
-    prompts = sorted(p for _, p, _ in draw)
-    outputs = sorted(o for _, _, o in draw)
-
+def section(
+    args: argparse.Namespace, table_: dict[tuple[str, float, str], dict[str, Any]], minutes: float
+) -> str:
+    shapes = args.shapes.split(",")
     model = STEP_MODELS[SIM.model]
-
-    def pct(values: list[int], q: float) -> str:
-        return f"{quantile(values, q):.0f}"
-
-    return "\n".join(
-        [
-            BEGIN,
-            "## Fleet: dispatch and migration policies on simulated engines",
-            "",
-            f"`make bench-fleet`: {args.engines} simulated engines ({model.name}: {model.source}; "
-            f"{SIM.kv_blocks:,} KV blocks of {SIM.block_size} tokens each), {args.requests:,} requests "
-            f"per run, Poisson arrivals, seed {args.seed}. Dispatch, load reports and balancing are the "
-            "router's own "
-            "code on simulated time (`shoal_sim.fleet`); the four policies get the same requests. "
-            f"Balancing: check every {args.balance_interval} s, threshold {args.balance_threshold}, "
-            f"patience {args.balance_patience}, cooldown {args.balance_cooldown} s, at most "
-            f"{args.balance_max_concurrent} moves at once; KV moves at {args.kv_gbps} GB/s. Holding: a new "
-            f"request waits at the router while the engine it would go to has under {args.hold_below:g} "
-            f"KV blocks per batch slot left, for {args.hold_max:g} s at most (held: requests that "
-            "waited; held p99: the 99th percentile of every request's wait, most of them 0). Left out: the "
-            "network between router and engines, the router's own CPU time and tokenization; engines "
-            "prefill a long prompt in one step (vLLM would chunk it).",
-            "",
-            stamp(),
-            "",
-            f"Lengths drawn (tokens): prompt p50 {pct(prompts, 0.5)}, p90 {pct(prompts, 0.9)}, "
-            f"p99 {pct(prompts, 0.99)}, mean {sum(prompts) / len(prompts):.0f}; "
-            f"output p50 {pct(outputs, 0.5)}, "
-            f"p90 {pct(outputs, 0.9)}, p99 {pct(outputs, 0.99)}, mean {sum(outputs) / len(outputs):.0f}.",
-            "",
-            "![policies against rate](img/fleet_policies.png)",
-            "",
-            *_targets(rows, scale_rows),
-            "",
-            *_policies_table(rows),
-            "",
-            f"The same rate per engine on larger fleets ({args.requests:,} requests per "
-            f"{args.engines} engines):"
-            if scale_rows
-            else "",
-            "",
-            *(_policies_table(scale_rows) if scale_rows else []),
-            END,
-        ]
-    )
+    router = RouterConfig()
+    lines = [
+        BEGIN,
+        "## Fleet: least-load, the hold line and migration on simulated engines",
+        "",
+        f"`make bench-fleet` ({minutes:.0f} min): {args.engines} simulated engines ({model.name}, a "
+        f"roofline estimate never checked on a GPU; {SIM.kv_blocks:,} KV blocks of {SIM.block_size} "
+        f"tokens, a token budget of {SIM.max_batched_tokens:,} per step, chunked prefill), "
+        f"{args.requests:,} requests per run, {args.seeds} seeds per cell (mean ± 95 % t-interval). "
+        "Dispatch, load reports, the hold line and balancing are the router's own code at its shipped "
+        f"settings: least-load; hold below {router.hold_below:g} KV blocks per batch slot for "
+        f"{router.hold_max_s:g} s at most; balancing every {router.balance_interval_s:g} s, threshold "
+        f"{router.balance_threshold:g}, cooldown {router.balance_cooldown_s:g} s, patience and moves at "
+        f"once {BalancePolicy().patience} and {BalancePolicy().max_concurrent}; 'eager' balances every "
+        "0.2 s at threshold 0.01, patience 1, cooldown 1 s, 8 moves at once. A move is charged its "
+        f"copies at {args.kv_gbps:g} GB/s and {Fleet().move_load_ms:g} ms of KV load on the target's "
+        "first step (measured on CPU engines). Shapes: `sharegpt` (Poisson, lognormal lengths), "
+        "`generated` (Poisson, Pareto lengths, index 1.5, same medians), `bursty` (ShareGPT lengths, "
+        "gamma gaps with a coefficient of variation of 2). 'migration vs +hold' marks TTFT p99, decode "
+        "p99 and preemption loss: `+` better beyond both intervals, `-` worse, `=` within them.",
+        "",
+        stamp(),
+        "",
+        "![policies against rate](img/fleet_policies.png)",
+        "",
+        "At each shape's knee (the highest rate the baseline, least-load + hold, sustains on every "
+        "seed), the better migration setting against the baseline:",
+        "",
+        *_targets(table_, shapes),
+    ]
+    for shape in shapes:
+        lines += ["", f"`{shape}`:", "", *_shape_table(table_, shape)]
+    return "\n".join([*lines, END])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engines", type=int, default=16)
-    parser.add_argument("--rates", default="16,20,24,26,28,30", help="arrival rates swept, requests/s in all")
-    parser.add_argument("--requests", type=int, default=6000, help="requests per run")
-    parser.add_argument(
-        "--scale", default="64,256", help="larger fleets run at the highest sustained rate per engine"
-    )
-    add_simulation_args(parser)
-    parser.add_argument(
-        "--hold-below", type=float, default=2.0, help="KV blocks per slot under which to hold"
-    )
-    parser.add_argument("--hold-max", type=float, default=1.0, help="longest hold, seconds")
-    parser.add_argument(
-        "--quick", action="store_true", help="a short run: 4 engines, 2 rates, no larger fleets"
-    )
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="workload shapes, comma-separated")
+    parser.add_argument("--rates", default="", help="rates for every shape (default: each shape's own)")
+    parser.add_argument("--requests", type=int, default=4000, help="requests per run")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--kv-gbps", type=float, default=8.0, help="KV bandwidth between engines, GB/s")
+    parser.add_argument("--workers", type=int, default=2, help="simulations run at once")
+    parser.add_argument("--quick", action="store_true", help="4 engines, 2 rates, 2 seeds; docs untouched")
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
     args = parser.parse_args()
     if args.quick:
-        args.engines, args.rates, args.requests, args.scale = 4, "5,6.5", 800, ""
-    rows, scale_rows = sweep(args)
+        args.engines, args.rates, args.requests, args.seeds, args.no_docs = 4, "5,6", 600, 2, True
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(sorted(unknown))} (known: {', '.join(SHAPES)})")
+    started = time.monotonic()
+    rows = sweep(args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"fleet-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out.write_text(json.dumps(rows, indent=1))
+    say(f"runs in {out.relative_to(ROOT)}")
+    table_ = cells(rows)
     if not args.no_docs:
-        plots(rows, args.engines)
-    publish(section(args, rows, scale_rows), BEGIN, END, print_only=args.no_docs)
+        plot(table_, args.shapes.split(","))
+    publish(section(args, table_, (time.monotonic() - started) / 60), BEGIN, END, print_only=args.no_docs)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,9 @@ class Result:
     steady_tokens_per_s: float
     """Tokens per second delivered over the second half of the arrival window: equal to the
     offered rate while the fleet keeps up, less once requests queue without bound."""
+    asked_steady_tokens_per_s: float
+    """Output tokens asked for per second by the requests arriving in the second half of the
+    arrival window: what ``steady_tokens_per_s`` keeps up with when arrivals come in bursts."""
     migrations: int
     migration_refused: int
     stall_ms: list[float]
@@ -220,6 +223,7 @@ class Result:
             "preemption_loss_s": self.preemption_loss_s,
             "offered_tokens_per_s": self.offered_tokens_per_s,
             "steady_tokens_per_s": self.steady_tokens_per_s,
+            "asked_steady_tokens_per_s": self.asked_steady_tokens_per_s,
             "migrations": self.migrations,
             "stall_p99_ms": p(self.stall_ms, 99),
             "empty_engines": self.empty_engines,
@@ -318,6 +322,7 @@ class Simulation:
             tokens=sum(t.request.generated for t in tracked),
             offered_tokens_per_s=sum(output for _, _, output in draw) / window,
             steady_tokens_per_s=(emitted[1] - emitted[0]) / (window / 2),
+            asked_steady_tokens_per_s=sum(o for a, _, o in draw if a >= window / 2) / (window / 2),
             migrations=self.migrations,
             migration_refused=self.refused,
             stall_ms=self.stalls,
