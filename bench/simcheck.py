@@ -19,6 +19,10 @@ Per rate: TTFT (sent to first token) and decode (a request's mean time per outpu
 its first) at p50 and p99, simulated against real. Target (issue 40, part 1): P99 TTFT and P99
 decode within 20 % of the real fleet's.
 
+Then the same traces go to the real fleet again with its router balancing (``MIGRATION_ARGS``),
+and to the simulation with the same balancing: whether migration helps on the real fleet, and
+whether the simulator says the same (issue 40, part 4).
+
 Results: ``bench/results/simcheck-<timestamp>.json`` and the section between
 ``<!-- simcheck:begin -->`` and ``<!-- simcheck:end -->`` of ``docs/benchmarks.md``, the plot
 ``docs/img/simcheck.png``. Run it with ``make bench-simcheck`` (``python -m bench.simcheck``).
@@ -35,6 +39,7 @@ import math
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +62,7 @@ from shoal_fleet.launcher import Fleet as RealFleet
 from shoal_fleet.launcher import FleetConfig
 from shoal_router.config import RouterConfig
 from shoal_router.core.hold import HoldPolicy
+from shoal_router.core.rebalance import BalancePolicy
 from shoal_sim.engine import SimConfig, StepModel
 from shoal_sim.fleet import Fleet, Simulation, Workload
 
@@ -67,6 +73,21 @@ ENGINES = 2
 CALIBRATION = ((1, 128), (4, 128), (16, 128), (4, 1024))
 """Decode batches timed as served before the traces: (requests per engine, prompt tokens)."""
 CALIBRATION_TOKENS = 48
+MIGRATION_ARGS = (
+    "--balance",
+    "--balance-interval-s",
+    "0.2",
+    "--balance-threshold",
+    "0.01",
+    "--balance-cooldown-s",
+    "1",
+)
+"""The router's balancing for the migration arm: on, and eager (the fleet benchmark's eager
+setting as far as the router's flags go; patience and moves at once stay at their defaults)."""
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
+"""SmolLM2-135M's KV per token in bf16: 30 layers, 3 KV heads of 64, keys and values."""
+KV_GBPS = 1.0
+"""KV bandwidth between the two CPU engines in the simulated migration arm (loopback, mutual TLS)."""
 MAX_PROMPT = 1536
 Trace = list[tuple[float, int, int]]
 
@@ -166,9 +187,33 @@ def served(model: StepModel, calibration: list[dict[str, float]]) -> StepModel:
     )
 
 
+def balance_moves(base_url: str) -> dict[str, float]:
+    """The router's balancing migrations so far, by outcome (``MIGRATED``, ``REFUSED``, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=10.0).text
+    moves: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "shoal_router_balance_migrations":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    moves[sample.labels["outcome"]] = sample.value
+    return moves
+
+
+@dataclass
+class RealRun:
+    calibration: list[dict[str, float]] = field(default_factory=list)
+    by_rate: dict[float, dict[str, list[float]]] = field(default_factory=dict)
+    moves: dict[float, dict[str, float]] = field(default_factory=dict)
+    """Balancing migrations during each rate's trace, by outcome."""
+
+
 def run_real(
-    args: argparse.Namespace, traces: dict[float, Trace], dtype: str
-) -> tuple[list[dict[str, float]], dict[float, dict[str, list[float]]]]:
+    args: argparse.Namespace, traces: dict[float, Trace], dtype: str, router_args: tuple[str, ...] = ()
+) -> RealRun:
+    """The traces through the real fleet (its router started with ``router_args``); the
+    calibration batches first when the router does not balance."""
     cfg = FleetConfig(
         model_path=stepfit.MODEL,
         served_model_name=MODEL_NAME,
@@ -177,35 +222,43 @@ def run_real(
         cluster="bench-simcheck",
         dtype=dtype,
         enforce_eager=True,
+        router_args=router_args,
         **FLEET_PORTS,
     )
     fleet = RealFleet(cfg, say=lambda line: say("  " + line.strip()))
-    out: dict[float, dict[str, list[float]]] = {}
+    out = RealRun()
     try:
         fleet.start()
         fleet.wait_ready(600.0)
         url = cfg.base_url + "/v1/completions"
         warm = draw_trace(4.0, 8, args.seed + 99, 64, 8)
         asyncio.run(replay(url, warm, args.seed + 99, "warm-up"))
-        calibration = asyncio.run(calibrate(url, args.seed))
+        if not router_args:
+            out.calibration = asyncio.run(calibrate(url, args.seed))
+        label = "real, migration" if router_args else "real"
         for rate, trace in traces.items():
-            results = asyncio.run(replay(url, trace, args.seed, f"real, {rate:g} req/s"))
+            before = balance_moves(cfg.base_url)
+            results = asyncio.run(replay(url, trace, args.seed, f"{label}, {rate:g} req/s"))
+            after = balance_moves(cfg.base_url)
             failed = [r for r in results if not r.ok]
             if failed:
                 raise RuntimeError(f"{len(failed)} request(s) failed at {rate:g} req/s: {failed[0].error}")
-            out[rate] = {
+            out.by_rate[rate] = {
                 "ttft": [(r.ttft_ms or 0.0) / 1000 for r in results],
                 "decode": [(r.tpot_ms or 0.0) / 1000 for r in results if r.tpot_ms is not None],
             }
+            out.moves[rate] = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
     finally:
         fleet.stop()
-    return calibration, out
+    return out
 
 
 # ---- the simulated fleet -----------------------------------------------------------------------
 
 
-def run_sim(model: StepModel, settings: dict[str, Any], trace: Trace) -> dict[str, list[float]]:
+def run_sim(
+    model: StepModel, settings: dict[str, Any], trace: Trace, migrate: bool = False
+) -> dict[str, Any]:
     router = RouterConfig()
     sim = SimConfig(
         model=model.name,
@@ -220,10 +273,15 @@ def run_sim(model: StepModel, settings: dict[str, Any], trace: Trace) -> dict[st
         engines=ENGINES,
         sim=sim,
         scheduler=router.scheduler,
-        hold=HoldPolicy(router.hold_below, router.hold_max_s) if router.hold_below > 0 else None,
+        hold=HoldPolicy(router.hold_below, router.hold_max_s) if router.hold_max_s > 0 else None,
+        migrate=migrate,
+        balance=BalancePolicy(threshold=0.01, cooldown_s=1.0),
+        balance_interval_s=0.2,
+        kv_bandwidth_gbps=KV_GBPS,
+        block_bytes=stepfit.BLOCK * SMOLLM2_KV_BYTES_PER_TOKEN,
     )
     result = Simulation(fleet, Workload.replay(trace)).run()
-    return {"ttft": result.ttft, "decode": result.decode}
+    return {"ttft": result.ttft, "decode": result.decode, "migrations": result.migrations}
 
 
 # ---- the comparison ----------------------------------------------------------------------------
@@ -267,8 +325,37 @@ def plot(rows: dict[float, dict[str, float]]) -> None:
     save_plot(fig, IMG / "simcheck.png")
 
 
+def _migration_table(
+    rows: dict[float, dict[str, float]], migration: dict[float, dict[str, float]]
+) -> list[str]:
+    """Balancing against none, on the real fleet and in its simulation, per rate."""
+
+    def arm(rate: float, who: str, measure: str, scale: float, unit: str) -> str:
+        base, moved = rows[rate][f"{who}_{measure}_p99"], migration[rate][f"moved_{who}_{measure}_p99"]
+        digits = 2 if unit == "s" else 0
+        return f"{base * scale:.{digits}f} -> {moved * scale:.{digits}f} {unit} ({moved / base:.2f}x)"
+
+    cells = []
+    for rate in sorted(rows):
+        m = migration[rate]
+        cells.append(
+            [
+                f"{rate:g}",
+                arm(rate, "real", "ttft", 1.0, "s"),
+                arm(rate, "sim", "ttft", 1.0, "s"),
+                arm(rate, "real", "decode", 1000.0, "ms"),
+                arm(rate, "sim", "decode", 1000.0, "ms"),
+                f"{m['real_moves']:.0f} ({m['real_refused']:.0f} not) / {m['sim_moves']:.0f}",
+            ]
+        )
+    header = ["req/s", "TTFT p99, real", "TTFT p99, simulated", "decode p99, real", "decode p99, simulated",
+              "moves: real (not moved) / simulated"]  # fmt: skip
+    return table(header, "rrrrrr", cells)
+
+
 def section(
     rows: dict[float, dict[str, float]],
+    migration: dict[float, dict[str, float]],
     args: argparse.Namespace,
     model: StepModel,
     as_served: StepModel,
@@ -335,6 +422,13 @@ def section(
             f"{alone_worst[2]:g} req/s).",
             "",
             "![simulator against the real fleet](img/simcheck.png)",
+            "",
+            "Migration on the real fleet, and the simulator's verdict (issue 40, part 4): the same traces "
+            f"with the router balancing (`{' '.join(MIGRATION_ARGS)}`), against the runs above; in the "
+            f"simulation the same balancing, KV copied at {KV_GBPS:g} GB/s and each move charged its "
+            "measured load on the target. Without -> with balancing (with over without):",
+            "",
+            *_migration_table(rows, migration),
             END,
         ]
     )
@@ -368,15 +462,17 @@ def main() -> None:
         rate: draw_trace(rate, args.requests, args.seed + i, args.prompt_median, args.output_median)
         for i, rate in enumerate(rates)
     }
-    say(f"[2/3] the real fleet: {len(rates)} rate(s), {args.requests} requests each")
-    calibration, real = run_real(args, traces, dtype)
-    as_served = served(model, calibration)
+    say(f"[2/4] the real fleet: {len(rates)} rate(s), {args.requests} requests each")
+    base = run_real(args, traces, dtype)
+    as_served = served(model, base.calibration)
     say(f"  served: base_ms={as_served.base_ms:.4g}, decode_ms={as_served.decode_ms:.4g}")
-    say("[3/3] the same traces, simulated")
-    rows = {}
+    say(f"[3/4] the same traces, the real fleet balancing ({' '.join(MIGRATION_ARGS)})")
+    moved = run_real(args, traces, dtype, MIGRATION_ARGS)
+    say("[4/4] the same traces, simulated")
+    rows, migration = {}, {}
     for rate in rates:
-        rows[rate] = compare(real[rate], run_sim(as_served, payload["settings"], traces[rate]))
-        alone = compare(real[rate], run_sim(model, payload["settings"], traces[rate]))
+        rows[rate] = compare(base.by_rate[rate], run_sim(as_served, payload["settings"], traces[rate]))
+        alone = compare(base.by_rate[rate], run_sim(model, payload["settings"], traces[rate]))
         rows[rate].update(
             {
                 f"alone_{key}": value
@@ -384,6 +480,13 @@ def main() -> None:
                 if key.startswith("sim_") or key.endswith("_error")
             }
         )
+        sim_moved = run_sim(as_served, payload["settings"], traces[rate], migrate=True)
+        migration[rate] = {
+            **{f"moved_{k}": v for k, v in compare(moved.by_rate[rate], sim_moved).items()},
+            "real_moves": moved.moves[rate].get("MIGRATED", 0.0),
+            "real_refused": sum(v for k, v in moved.moves[rate].items() if k != "MIGRATED"),
+            "sim_moves": sim_moved["migrations"],
+        }
     for rate, r in rows.items():
         say(
             f"  {rate:g} req/s: TTFT p99 {r['real_ttft_p99']:.2f} real, {r['sim_ttft_p99']:.2f} simulated; "
@@ -397,10 +500,13 @@ def main() -> None:
                 "fit": payload,
                 "model": dataclasses.asdict(model),
                 "served": dataclasses.asdict(as_served),
-                "calibration": calibration,
+                "calibration": base.calibration,
                 "traces": traces,
-                "real": real,
+                "real": base.by_rate,
+                "real_migration": moved.by_rate,
+                "real_moves": moved.moves,
                 "rows": rows,
+                "migration": migration,
             },
             indent=1,
         )
@@ -409,7 +515,7 @@ def main() -> None:
     if not args.no_docs:
         plot(rows)
     minutes = (time.monotonic() - started) / 60
-    publish(section(rows, args, model, as_served, minutes), BEGIN, END, print_only=args.no_docs)
+    publish(section(rows, migration, args, model, as_served, minutes), BEGIN, END, print_only=args.no_docs)
 
 
 if __name__ == "__main__":
