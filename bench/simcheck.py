@@ -73,6 +73,8 @@ ENGINES = 2
 CALIBRATION = ((1, 128), (4, 128), (16, 128), (4, 1024))
 """Decode batches timed as served before the traces: (requests per engine, prompt tokens)."""
 CALIBRATION_TOKENS = 48
+PREFILL_CALIBRATION = (64, 512, 1500)
+"""Prompts timed alone through the real fleet before the decode batches: tokens each."""
 MIGRATION_ARGS = (
     "--balance",
     "--balance-interval-s",
@@ -144,13 +146,22 @@ async def _stamps(client: httpx.AsyncClient, url: str, prompt: list[int], tokens
 
 
 async def calibrate(url: str, seed: int) -> list[dict[str, float]]:
-    """The step of each decode batch in ``CALIBRATION`` as served: every engine decodes the same
-    batch at once (least-load spreads the streams evenly), timed as the gaps between tokens at
-    the client while every stream runs."""
+    """Steps as served. First each prompt of ``PREFILL_CALIBRATION`` alone on the idle fleet
+    (the median time to its first token at the client, over three); then each decode batch of
+    ``CALIBRATION``: every engine decodes the same batch at once (least-load spreads the streams
+    evenly), timed as the gaps between tokens at the client while every stream runs."""
     rng = random.Random(seed + 11)
     low, high = TOKEN_ID_RANGE
-    rows = []
+    rows: list[dict[str, float]] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        for prompt in PREFILL_CALIBRATION:
+            ttfts = []
+            for _ in range(3):
+                sent = time.perf_counter()
+                stamps = await _stamps(client, url, [rng.randrange(low, high) for _ in range(prompt)], 2)
+                ttfts.append((stamps[0] - sent) * 1000)
+            rows.append({"prompt": prompt, "ttft_ms": statistics.median(ttfts)})
+            say(f"  calibration: {prompt} prompt tokens alone, first token in {rows[-1]['ttft_ms']:.1f} ms")
         for per_engine, context in CALIBRATION:
             prompts = [
                 [rng.randrange(low, high) for _ in range(context)] for _ in range(ENGINES * per_engine)
@@ -167,23 +178,42 @@ async def calibrate(url: str, seed: int) -> list[dict[str, float]]:
 
 
 def served(model: StepModel, calibration: list[dict[str, float]]) -> StepModel:
-    """``model`` (steps timed alone) plus what serving adds to each step, fit to the calibration
-    batches: a cost per step and one per request that gets a token (the engine service's own
-    process, the router and the client share the machine's cores with the engines' steps)."""
+    """``model`` (steps timed alone) plus what serving adds, fit to the calibration: per step
+    and per request that gets a token, from the decode batches (the engine service's own
+    process, the router and the client share the machine's cores with the engines' steps); per
+    prompt and per prompt token, from the prompts alone (the way to the engine and the first
+    token's way back)."""
     import numpy as np
 
-    rows, extra = [], []
+    def line(points: list[tuple[float, float]]) -> tuple[float, float]:
+        """Intercept and slope of the least-squares line through ``points``."""
+        (intercept, slope), *_ = np.linalg.lstsq(
+            np.array([[1.0, x] for x, _ in points]), np.array([y for _, y in points]), rcond=None
+        )
+        return float(intercept), float(slope)
+
+    decode = []
     for row in calibration:
-        requests, context = int(row["per_engine"]), int(row["context"]) + CALIBRATION_TOKENS // 2
-        rows.append([1.0, float(requests)])
-        extra.append(row["gap_ms"] - model.step_ms(requests, [], requests * context))
-    (per_step, per_request), *_ = np.linalg.lstsq(np.array(rows), np.array(extra), rcond=None)
+        if "gap_ms" in row:
+            requests, context = int(row["per_engine"]), int(row["context"]) + CALIBRATION_TOKENS // 2
+            decode.append((float(requests), row["gap_ms"] - model.step_ms(requests, [], requests * context)))
+    per_step, per_request = line(decode)
+    stepped = dataclasses.replace(
+        model, base_ms=model.base_ms + per_step, decode_ms=model.decode_ms + per_request
+    )
+    prompts = [
+        (row["prompt"], row["ttft_ms"] - stepped.step_ms(0, [(int(row["prompt"]), 0)], 0))
+        for row in calibration
+        if "ttft_ms" in row
+    ]
+    per_prompt, per_token = line(prompts) if len(prompts) >= 2 else (0.0, 0.0)
     return dataclasses.replace(
-        model,
+        stepped,
         name="served",
-        base_ms=model.base_ms + float(per_step),
-        decode_ms=model.decode_ms + float(per_request),
-        source=f"{model.source}, plus {per_step:.2f} ms per step and {per_request:.2f} ms per request served",
+        chunk_ms=model.chunk_ms + per_prompt,
+        prefill_ms=model.prefill_ms + per_token,
+        source=f"{model.source}, plus {per_step:.2f} ms per step, {per_request:.2f} ms per request "
+        f"decoding, {per_prompt:.2f} ms per prompt and {per_token * 1000:.1f} us per prompt token served",
     )
 
 
@@ -401,12 +431,14 @@ def section(
             "cores) and replayed in the fleet simulator (two engines, the real engines' KV blocks, "
             "token budget and batch limits, the same dispatch and hold line). The simulated steps are "
             "the step model fit in the same run (`bench.stepfit`, steps timed alone) plus what serving "
-            "adds to each step, fit to four decode batches timed through the real fleet before the "
-            f"traces ({as_served.base_ms - model.base_ms:+.1f} ms per step, "
-            f"{as_served.decode_ms - model.decode_ms:+.2f} ms per request). TTFT from send to first "
-            "token at the client; decode is a request's mean time per token after its first. Real / "
-            "simulated, the simulation's error in brackets; the last column is the P99 errors of the "
-            f"steps-alone model. Target: P99s within {TARGET * 100:.0f} %.",
+            f"adds, fit to {len(PREFILL_CALIBRATION)} prompts alone and {len(CALIBRATION)} decode batches "
+            f"timed through the real fleet before the traces ({as_served.base_ms - model.base_ms:+.1f} ms "
+            f"per step, {as_served.decode_ms - model.decode_ms:+.2f} ms per request decoding, "
+            f"{as_served.chunk_ms - model.chunk_ms:+.1f} ms per prompt, "
+            f"{(as_served.prefill_ms - model.prefill_ms) * 1000:+.0f} us per prompt token). TTFT from "
+            "send to first token at the client; decode is a request's mean time per token after its "
+            "first. Real / simulated, the simulation's error in brackets; the last column is the P99 "
+            "errors of the steps-alone model. Target: P99s within {TARGET * 100:.0f} %.",
             "",
             stamp(),
             "",

@@ -65,7 +65,13 @@ def test_held_out_errors_come_from_fits_that_never_saw_the_shape() -> None:
 
 def test_the_serving_overhead_is_what_the_served_steps_add() -> None:
     model = STEP_MODELS["smollm2-cpu"]
-    calibration = []
+    stepped = StepModel(
+        **{**model.__dict__, "base_ms": model.base_ms + 4.0, "decode_ms": model.decode_ms + 0.3}
+    )
+    calibration = [
+        {"prompt": p, "ttft_ms": stepped.step_ms(0, [(p, 0)], 0) + 9.0 + 0.05 * p}
+        for p in simcheck.PREFILL_CALIBRATION
+    ]
     for per_engine, context in simcheck.CALIBRATION:
         mid = context + simcheck.CALIBRATION_TOKENS // 2
         step = model.step_ms(per_engine, [], per_engine * mid)
@@ -75,7 +81,9 @@ def test_the_serving_overhead_is_what_the_served_steps_add() -> None:
     served = simcheck.served(model, calibration)
     assert served.base_ms == pytest.approx(model.base_ms + 4.0)
     assert served.decode_ms == pytest.approx(model.decode_ms + 0.3)
-    assert (served.prefill_ms, served.pair_us) == (model.prefill_ms, model.pair_us)
+    assert served.chunk_ms == pytest.approx(model.chunk_ms + 9.0)
+    assert served.prefill_ms == pytest.approx(model.prefill_ms + 0.05)
+    assert (served.context_us, served.pair_us) == (model.context_us, model.pair_us)
 
 
 def test_a_replayed_trace_is_simulated_as_given() -> None:
