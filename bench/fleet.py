@@ -361,6 +361,10 @@ def section(
         "",
         "![policies against rate](img/fleet_policies.png)",
         "",
+        "How far to trust the simulator: its CPU profile, fit to a real engine, against the real "
+        "two-engine fleet on the same traces is in 'The fleet simulator against the real fleet' "
+        "below; this A10 profile has no real counterpart here.",
+        "",
         "At each shape's knee (the highest rate the baseline, least-load + hold, sustains on every "
         "seed), the better migration setting against the baseline:",
         "",

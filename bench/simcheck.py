@@ -88,6 +88,10 @@ MIGRATION_ARGS = (
 setting as far as the router's flags go; patience and moves at once stay at their defaults)."""
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 """SmolLM2-135M's KV per token in bf16: 30 layers, 3 KV heads of 64, keys and values."""
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+"""Idle connections close on the client's side before the router's server closes them (uvicorn's
+5 s keep-alive): at the same 5 s, a request sent on a connection the server is closing fails
+before it reaches the router."""
 KV_GBPS = 1.0
 """KV bandwidth between the two CPU engines in the simulated migration arm (loopback, mutual TLS)."""
 MAX_PROMPT = 1536
@@ -114,7 +118,7 @@ async def replay(url: str, trace: Trace, seed: int, label: str) -> list[RequestR
     low, high = TOKEN_ID_RANGE
     prompts = [[rng.randrange(low, high) for _ in range(p)] for _, p, _ in trace]
     progress = Progress(label, len(trace), every=20)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=CLIENT_LIMITS) as client:
 
         async def one(index: int, at: float, prompt: list[int], output: int) -> RequestResult:
             await asyncio.sleep(max(0.0, progress.t0 + at - time.perf_counter()))
@@ -153,7 +157,7 @@ async def calibrate(url: str, seed: int) -> list[dict[str, float]]:
     rng = random.Random(seed + 11)
     low, high = TOKEN_ID_RANGE
     rows: list[dict[str, float]] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=CLIENT_LIMITS) as client:
         for prompt in PREFILL_CALIBRATION:
             ttfts = []
             for _ in range(3):
