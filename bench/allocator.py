@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, save_plot, say, stamp, table
+from bench.harness import IMG, ROOT, publish, pyplot, save_plot, save_results, say, stamp, table
 
 BEGIN, END = "<!-- allocator:begin -->", "<!-- allocator:end -->"
 MODEL = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -230,10 +230,7 @@ def main() -> None:
                 f"re-admission {statistics.median(r['readmit_ms'] for r in mine):5.1f} ms"
             )
     medians = summarise(rounds, args.contexts)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"allocator-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(json.dumps({"rounds": rounds, "table": medians}, indent=1))
-    say(f"results in {out.relative_to(ROOT)}")
+    save_results("allocator", {"rounds": rounds, "table": medians})
     if not args.no_docs:
         plot(medians)
     publish(section(medians, args, (time.monotonic() - started) / 60), BEGIN, END, print_only=args.no_docs)

@@ -47,7 +47,18 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, quantile, save_plot, say, stamp, table
+from bench.harness import (
+    IMG,
+    ROOT,
+    publish,
+    pyplot,
+    quantile,
+    save_plot,
+    save_results,
+    say,
+    stamp,
+    table,
+)
 from shoal_router.config import RouterConfig
 from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.rebalance import BalancePolicy
@@ -399,10 +410,7 @@ def main() -> None:
         rows = json.loads((ROOT / args.from_results).read_text())
     else:
         rows = sweep(args)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / f"fleet-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-        out.write_text(json.dumps(rows, indent=1))
-        say(f"runs in {out.relative_to(ROOT)}")
+        save_results("fleet", rows)
     table_ = cells(rows)
     if not args.no_docs:
         plot(table_, args.shapes.split(","))

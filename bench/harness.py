@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import math
 import os
 import random
@@ -229,6 +230,15 @@ def bootstrap_interval(
     draw = random.Random(0)
     drawn = sorted(statistic(draw.choices(values, k=len(values))) for _ in range(resamples))
     return statistic(values), drawn[int(0.025 * resamples)], drawn[int(0.975 * resamples) - 1]
+
+
+def save_results(name: str, payload: Any, folder: Path = RESULTS) -> Path:
+    """Write a run's raw numbers to ``folder/<name>-<UTC time>.json`` and say where."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out.write_text(json.dumps(payload, indent=1))
+    say(f"results in {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+    return out
 
 
 # ---- stamps, tables and plots ----------------------------------------------------------------

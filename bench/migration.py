@@ -84,6 +84,7 @@ from bench.harness import (
     bootstrap_interval,
     pyplot,
     save_plot,
+    save_results,
     say,
     stamp,
     table,
@@ -1003,10 +1004,7 @@ def main() -> None:
         "slowdown_pairs": slow_pairs,
         "note": note,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    saved = RESULTS / f"migration-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    saved.write_text(json.dumps(results, indent=1))
-    say(f"results in {saved.relative_to(ROOT)}")
+    save_results("migration", results)
     # A part skipped this time keeps its numbers (and their stamp) from the last run that measured it.
     earlier: dict[str, str] = {}
     for part in ("bandwidth", "stall", "slowdown"):

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import redis
 
-from bench.harness import RESULTS, ROOT, publish, quantile, say, stamp, table, utc_now
+from bench.harness import publish, quantile, save_results, say, stamp, table, utc_now
 from bench.migration import _control_stubs, bench_fleet
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_protos import engine_control_pb2 as pb
@@ -280,12 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         fleet.stop()
     measured = stamp()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"overlap-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(
-        json.dumps({"args": vars(args), "rows": rows, "measured": measured, "command": command}, indent=1)
-    )
-    say(f"wrote {out.relative_to(ROOT)}")
+    save_results("overlap", {"args": vars(args), "rows": rows, "measured": measured, "command": command})
     publish(section(args, rows, measured, command.strip()), BEGIN, END, print_only=args.no_docs)
 
 

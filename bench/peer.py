@@ -47,7 +47,6 @@ import httpx
 
 from bench.harness import (
     IMG,
-    RESULTS,
     ROOT,
     http_ok,
     launch,
@@ -55,6 +54,7 @@ from bench.harness import (
     publish,
     pyplot,
     save_plot,
+    save_results,
     say,
     stamp,
     stop_group,
@@ -174,7 +174,10 @@ async def one_round(index: int, urls: dict[str, str], cfg: BenchConfig) -> Round
     )
     order = list(TARGETS) if index % 2 == 0 else list(reversed(TARGETS))
     done = Round(index, order, {}, {})
-    limits = httpx.Limits(max_connections=cfg.requests + 8, max_keepalive_connections=cfg.requests + 8)
+    # Idle connections expire before the servers' own 5 s keep-alive closes them under a request.
+    limits = httpx.Limits(
+        max_connections=cfg.requests + 8, max_keepalive_connections=cfg.requests + 8, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(
         limits=limits, timeout=httpx.Timeout(cfg.request_timeout_s, connect=10)
     ) as client:
@@ -425,8 +428,6 @@ def main(argv: list[str] | None = None) -> None:
     totals = {t: pooled(rounds, t, cfg) for t in TARGETS}
     measured = stamp()
     say("[3/3] results")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"peer-{time.strftime('%Y%m%d-%H%M%S')}.json"
     payload: dict[str, Any] = {
         "config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
         "dtype": dtype,
@@ -439,8 +440,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": command,
         "measured": measured,
     }
-    out.write_text(json.dumps(payload, indent=1))
-    say(f"  wrote {out.relative_to(ROOT)}")
+    save_results("peer", payload)
     if cfg.write_docs:
         plot(totals)
     publish(section(cfg, rounds, totals, command, measured), BEGIN, END, print_only=not cfg.write_docs)

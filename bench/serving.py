@@ -828,7 +828,10 @@ async def measure(
 ) -> TargetRun:
     url = base_url + "/v1/completions"
     run = TargetRun(target=target, ready_s=0.0)
-    limits = httpx.Limits(max_connections=cfg.requests + 8, max_keepalive_connections=cfg.requests + 8)
+    # Idle connections expire before the servers' own 5 s keep-alive closes them under a request.
+    limits = httpx.Limits(
+        max_connections=cfg.requests + 8, max_keepalive_connections=cfg.requests + 8, keepalive_expiry=2.0
+    )
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         say(f"  [{target}] warm-up: {len(warmup)} request(s)")

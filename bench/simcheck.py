@@ -46,7 +46,18 @@ from typing import Any
 import httpx
 
 from bench import stepfit
-from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, quantile, save_plot, say, stamp, table
+from bench.harness import (
+    IMG,
+    ROOT,
+    publish,
+    pyplot,
+    quantile,
+    save_plot,
+    save_results,
+    say,
+    stamp,
+    table,
+)
 from bench.serving import (
     FLEET_PORTS,
     MODEL_NAME,
@@ -528,26 +539,21 @@ def main() -> None:
             f"  {rate:g} req/s: TTFT p99 {r['real_ttft_p99']:.2f} real, {r['sim_ttft_p99']:.2f} simulated; "
             f"decode p99 {r['real_decode_p99'] * 1000:.0f} / {r['sim_decode_p99'] * 1000:.0f} ms"
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"simcheck-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "fit": payload,
-                "model": dataclasses.asdict(model),
-                "served": dataclasses.asdict(as_served),
-                "calibration": base.calibration,
-                "traces": traces,
-                "real": base.by_rate,
-                "real_migration": moved.by_rate,
-                "real_moves": moved.moves,
-                "rows": rows,
-                "migration": migration,
-            },
-            indent=1,
-        )
+    save_results(
+        "simcheck",
+        {
+            "fit": payload,
+            "model": dataclasses.asdict(model),
+            "served": dataclasses.asdict(as_served),
+            "calibration": base.calibration,
+            "traces": traces,
+            "real": base.by_rate,
+            "real_migration": moved.by_rate,
+            "real_moves": moved.moves,
+            "rows": rows,
+            "migration": migration,
+        },
     )
-    say(f"results in {out.relative_to(ROOT)}")
     if not args.no_docs:
         plot(rows)
     minutes = (time.monotonic() - started) / 60

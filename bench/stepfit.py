@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.harness import IMG, RESULTS, ROOT, publish, pyplot, save_plot, say, stamp, table
+from bench.harness import IMG, ROOT, publish, pyplot, save_plot, save_results, say, stamp, table
 from shoal_sim.engine import STEP_MODELS, StepModel, step_features
 
 BEGIN, END = "<!-- stepfit:begin -->", "<!-- stepfit:end -->"
@@ -460,10 +460,7 @@ def main() -> None:
             raise SystemExit(f"{MODEL} is missing: run `make models` first")
         say(f"measuring step shapes on one engine, {args.repeats} repeats (progress on stderr)")
         payload = run_measurement(args)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        out = RESULTS / f"stepfit-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-        out.write_text(json.dumps(payload, indent=1))
-        say(f"batches in {out.relative_to(ROOT)}")
+        save_results("stepfit", payload)
     batches = load_batches(payload)
     model = fit(batches)
     rows = errors(model, batches, cross_validate(batches, args.seed))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -20,6 +21,7 @@ from bench.harness import (
     launch,
     quantile,
     quantiles,
+    save_results,
     stamp,
     stop_group,
     table,
@@ -133,3 +135,10 @@ def test_processes_report_one_that_exited(tmp_path: Path) -> None:
     finally:
         procs.stop()
     assert (tmp_path / "quits.log").exists()
+
+
+def test_save_results_writes_the_payload_under_a_stamped_name(tmp_path: Path) -> None:
+    out = save_results("trial", {"rows": [1, 2]}, folder=tmp_path / "results")
+    assert out.parent == tmp_path / "results"
+    assert re.fullmatch(r"trial-\d{8}T\d{6}Z\.json", out.name)
+    assert json.loads(out.read_text()) == {"rows": [1, 2]}
