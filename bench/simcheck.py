@@ -454,7 +454,7 @@ def section(
             f"{(as_served.prefill_ms - model.prefill_ms) * 1000:+.0f} us per prompt token). TTFT from "
             "send to first token at the client; decode is a request's mean time per token after its "
             "first. Real / simulated, the simulation's error in brackets; the last column is the P99 "
-            "errors of the steps-alone model. Target: P99s within {TARGET * 100:.0f} %.",
+            f"errors of the steps-alone model. Target: P99s within {TARGET * 100:.0f} %.",
             "",
             stamp(),
             "",
