@@ -87,17 +87,14 @@ CALIBRATION = ((1, 128), (4, 128), (16, 128), (4, 1024))
 CALIBRATION_TOKENS = 48
 PREFILL_CALIBRATION = (64, 512, 1500)
 """Prompts timed alone through the real fleet before the decode batches: tokens each."""
+EAGER = {"balance_interval_s": 0.2, "balance_threshold": 0.01, "balance_cooldown_s": 1.0}
+"""The migration arm's balancing, eager (the fleet benchmark's eager setting as far as the
+router's flags go; patience and moves at once stay at their defaults): the real router's flags
+and the simulated balancer both come from it."""
 MIGRATION_ARGS = (
     "--balance",
-    "--balance-interval-s",
-    "0.2",
-    "--balance-threshold",
-    "0.01",
-    "--balance-cooldown-s",
-    "1",
+    *(f for key, value in EAGER.items() for f in (f"--{key.replace('_', '-')}", f"{value:g}")),
 )
-"""The router's balancing for the migration arm: on, and eager (the fleet benchmark's eager
-setting as far as the router's flags go; patience and moves at once stay at their defaults)."""
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 """SmolLM2-135M's KV per token in bf16: 30 layers, 3 KV heads of 64, keys and values."""
 CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
@@ -321,8 +318,8 @@ def run_sim(
         scheduler=router.scheduler,
         hold=HoldPolicy(router.hold_below, router.hold_max_s) if router.hold_max_s > 0 else None,
         migrate=migrate,
-        balance=BalancePolicy(threshold=0.01, cooldown_s=1.0),
-        balance_interval_s=0.2,
+        balance=BalancePolicy(threshold=EAGER["balance_threshold"], cooldown_s=EAGER["balance_cooldown_s"]),
+        balance_interval_s=EAGER["balance_interval_s"],
         kv_bandwidth_gbps=KV_GBPS,
         block_bytes=stepfit.BLOCK * SMOLLM2_KV_BYTES_PER_TOKEN,
     )

@@ -72,6 +72,11 @@ class Batch:
     def median_ms(self) -> float:
         return statistics.median(self.ms)
 
+    @property
+    def params(self) -> dict[str, int]:
+        """The shape's numbers by name (``B``, ``C``, ``P``, ``H``), as its name spells them."""
+        return {word.split("=")[0]: int(word.split("=")[1]) for word in self.shape.split()[1:]}
+
 
 # ---- measuring, in a process of its own ----------------------------------------------------------
 
@@ -247,8 +252,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Batch]]:
             print(
                 f"repeat {repeat + 1}/{args.repeats}, {i + 1}/{len(batches)}: {batch.shape}", file=sys.stderr
             )
-            words = batch.shape.split()
-            values = {w.split("=")[0]: int(w.split("=")[1]) for w in words[1:]}
+            values = batch.params
             if batch.kind == "decode":
                 _decode(engine, batch, values["B"], values["C"], args.steps)
             elif batch.kind == "mixed":

@@ -32,7 +32,7 @@ def _batches(noise: float = 0.0) -> list[stepfit.Batch]:
     rng = random.Random(1)
     batches = stepfit.shapes(quick=False, kv_blocks=364)
     for batch in batches:
-        values = {w.split("=")[0]: int(w.split("=")[1]) for w in batch.shape.split()[1:]}
+        values = batch.params
         if batch.kind == "decode":
             batch.context = values["B"] * values["C"]
         elif batch.kind == "mixed":
