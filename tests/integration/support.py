@@ -389,7 +389,12 @@ def metric(url: str, name: str) -> float:
 
 def dispatched(fleet: RunningFleet) -> dict[str, float]:
     """Requests the router sent to each engine, from its Prometheus counter."""
-    text = httpx.get(fleet.base_url + "/metrics", timeout=STALL_S).text
+    return dispatched_at(fleet.base_url)
+
+
+def dispatched_at(router_url: str) -> dict[str, float]:
+    """Requests the router at ``router_url`` sent to each engine, from its Prometheus counter."""
+    text = httpx.get(router_url + "/metrics", timeout=STALL_S).text
     pattern = r'shoal_router_dispatched_total\{engine="([^"]+)",model="[^"]+",policy="[^"]+"\} ([0-9.e+]+)'
     counts: dict[str, float] = {}
     for engine, count in re.findall(pattern, text):

@@ -307,3 +307,23 @@ def test_a_gpu_engine_takes_its_staging_and_pairs_out_of_vllms_budget(backend: M
     # A device the reserve would all but fill is refused at start, with the numbers.
     with pytest.raises(VllmArgsError, match="--kv-staging-mib 1024"):
         backend.migration_budget(config, gib)
+
+
+def test_kv_events_are_shoals_unless_the_user_publishes_their_own(backend: ModuleType) -> None:
+    from vllm.config import KVEventsConfig
+
+    ours = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="ipc:///tmp/x/events")
+    config = parse_args(COMMON)
+    assert backend.build_engine_args(config, ours).kv_events_config is ours
+    assert backend.build_engine_args(config).kv_events_config is None
+    events = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5561","topic":"kv"}'
+    theirs = f"--kv-events-config '{events}'"
+    config = parse_args([*COMMON, f"--vllm-args={theirs}"])
+    args = backend.build_engine_args(config, ours)
+    assert args.kv_events_config.endpoint == "tcp://*:5561"
+    # The engine reads the user's publisher on this host, under their topic.
+    assert backend.kv_events_source(args.kv_events_config) == ("tcp://127.0.0.1:5561", "kv")
+    assert backend.kv_events_source(KVEventsConfig(enable_kv_cache_events=False)) is None
+    # One that connects out to a broker of the user's: nothing to read here.
+    remote = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://broker:5557")
+    assert backend.kv_events_source(remote) is None

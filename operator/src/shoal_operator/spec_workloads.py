@@ -23,7 +23,7 @@ from shoal_operator.spec_fields import (
 )
 from shoal_protos.vllm_flags import OWNED_VLLM_FLAGS
 
-_SCORER = r"(least_load|prefix_affinity|session_affinity)(=[0-9]+(\.[0-9]+)?)?"
+_SCORER = r"(least_load|prefix_affinity|session_affinity|prefix_cache)(=[0-9]+(\.[0-9]+)?)?"
 SCHEDULER_PATTERN = rf"^(round_robin|{_SCORER}(,{_SCORER})*)$"
 """A router scheduler profile, or scorer weights (see the router's ``core.scheduling``)."""
 
@@ -346,8 +346,9 @@ class RouterSpec(SpecModel):
         pattern=SCHEDULER_PATTERN,
         max_length=200,
         description="How each request is placed on an engine: least_load (free KV per batch slot), "
-        "round_robin, prefix_affinity, session_affinity (the x-session-id header), or scorer weights "
-        "such as prefix_affinity=2,least_load=1.",
+        "round_robin, prefix_affinity, session_affinity (the x-session-id header), prefix_cache (where "
+        "the engines' prefix caches hold the prompt's first blocks, from their KV events), or scorer "
+        "weights such as prefix_cache=2,least_load=1.",
     )
     hold_max_s: float = Field(
         default=1.0,

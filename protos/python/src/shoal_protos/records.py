@@ -10,6 +10,8 @@ records, can share one Redis. Records are JSON so ``redis-cli get`` shows them a
                                           fencing generation (moves only forward)
     shoal:v1:<cluster>:migration:<id>     MigrationRecord, kept for a day
     shoal:v1:<cluster>:migrations         LIST of recent migration ids, newest first
+    shoal:v1:<cluster>:prefix-events:<id> STREAM of the engine's prefix-cache changes
+    shoal:v1:<cluster>:prefix-snapshot:<id>  every block in its prefix cache (``prefix``)
 
 A stale id in the index is harmless: its ``engine:`` key has expired, so readers skip it and
 remove it from the index.
@@ -185,6 +187,14 @@ class Keys:
     def leader(self) -> str:
         """The lease of the router that issues the cluster's balancing migrations (its id)."""
         return self.prefix + "leader"
+
+    def prefix_events(self, engine_id: str) -> str:
+        """The engine's prefix-cache changes (``shoal_protos.prefix.PrefixEvent``)."""
+        return f"{self.prefix}prefix-events:{engine_id}"
+
+    def prefix_snapshot(self, engine_id: str) -> str:
+        """Every block in the engine's prefix cache (``shoal_protos.prefix.PrefixSnapshot``)."""
+        return f"{self.prefix}prefix-snapshot:{engine_id}"
 
     def emptying(self, engine_id: str) -> str:
         """Present (the leader's id, with a TTL the leader renews) while the leader empties the

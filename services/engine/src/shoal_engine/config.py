@@ -131,6 +131,16 @@ class EngineConfig(BaseModel):
     load_report_interval_s: float = Field(default=0.1, gt=0.0, le=1.0)
     """How often the load report (and heartbeat) is written to Redis."""
 
+    prefix_events: bool = True
+    """Publish what the engine's prefix cache holds (vLLM's KV events) to Redis, for routers
+    that place requests where their prompt's blocks are cached (``--scheduler prefix_cache``).
+    vLLM backend only; a ``--kv-events-config`` in ``--vllm-args`` is read instead of Shoal's
+    own where it binds a socket on this host."""
+
+    prefix_snapshot_interval_s: float = Field(default=2.0, gt=0.0, le=60.0)
+    """How often the whole prefix-cache content is written to Redis, where routers that start
+    late or miss changes read it."""
+
     drain_timeout_s: float = Field(default=30.0, ge=0.0)
     """On SIGTERM, how long running requests may go on before they are aborted."""
 

@@ -57,6 +57,7 @@ from shoal_protos.tasks import Supervisor
 from shoal_protos.tls import FleetTls, load_optional
 
 if TYPE_CHECKING:
+    from shoal_engine.prefix_cache import PrefixCacheFeed
     from shoal_sim.kv_agent import SimKvAgent
 
 logger = logging.getLogger("shoal.engine")
@@ -436,7 +437,32 @@ async def _close(parts: _Parts, registration: EngineRegistration) -> None:
     parts.ctx.destroy(linger=0)  # the threads closed their sockets; never wait on a straggler
 
 
-async def run(config: EngineConfig, backend: EngineBackend) -> int:
+def _prefix_cache_feed(
+    config: EngineConfig, kv_events: tuple[str, str], parts: _Parts, info: BackendInfo, keys: Keys
+) -> PrefixCacheFeed:
+    """``--prefix-events``: read vLLM's KV events from ``kv_events`` (endpoint, topic) and
+    publish the prefix cache's content to Redis. Its socket connects now, before the engine
+    takes requests, so no event of theirs is missed."""
+    # vLLM's event types: imported with the vLLM backend only.
+    from shoal_engine.prefix_cache import CachedBlocks, KvEventSubscriber, PrefixCacheFeed, PrefixPublisher
+
+    endpoint, topic = kv_events
+    blocks = CachedBlocks(info.kv_block_size)
+    changed = asyncio.Event()
+    publisher = PrefixPublisher(
+        parts.redis,
+        keys,
+        config.engine_id,
+        blocks,
+        changed,
+        config.prefix_snapshot_interval_s,
+        ttl_s=max(config.heartbeat_ttl_s, 2 * config.prefix_snapshot_interval_s),
+    )
+    logger.info("prefix-cache events from %s go to Redis", endpoint)
+    return PrefixCacheFeed(KvEventSubscriber(endpoint, topic, blocks, changed), publisher)
+
+
+async def run(config: EngineConfig, backend: EngineBackend, kv_events: tuple[str, str] | None = None) -> int:
     loop = asyncio.get_running_loop()
     metrics = EngineMetrics(config.engine_id, config.served_model_name)
     fatal: asyncio.Future[BaseException] = loop.create_future()
@@ -459,6 +485,9 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     # that ends stops the engine, as a dead backend or socket thread does.
     supervisor = Supervisor(on_failure=lambda _, exc: on_fatal(exc))
     http_task = supervisor.start(http.serve(sockets=[http_socket(config)]), "http")
+    feed = _prefix_cache_feed(config, kv_events, parts, info, keys) if kv_events else None
+    if feed is not None:
+        feed.start(supervisor)
     registration = EngineRegistration(
         parts.redis,
         keys,
@@ -480,6 +509,8 @@ async def run(config: EngineConfig, backend: EngineBackend) -> int:
     if warm_up is not None:
         warm_up.cancel()
     await _drain(config, parts, registration, exit_code)
+    if feed is not None:
+        await feed.close()
     await _close(parts, registration)
     http.should_exit = True
     await http_task
@@ -511,7 +542,7 @@ def main(argv: list[str] | None = None) -> None:
         # vLLM's processes must not outlive this one, however it ends (see ``reaper``).
         reaper.start()
     try:
-        code = uvloop.run(run(config, backend))
+        code = uvloop.run(run(config, backend, getattr(backend, "kv_events", None)))
     finally:
         if agent is not None:
             agent.close()

@@ -13,6 +13,8 @@ import argparse
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, NoReturn, cast
@@ -20,7 +22,7 @@ from typing import Any, NoReturn, cast
 from tokenizers import Tokenizer
 from transformers import TokenizersBackend
 from vllm import SamplingParams, TokensPrompt
-from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config import KVEventsConfig, KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import GracefulHTTPError, VLLMClientError
 from vllm.platforms import current_platform
@@ -211,11 +213,30 @@ def migration_budget(config: EngineConfig, total_bytes: int) -> float:
     return round(budget, 4)
 
 
-def build_engine_args(config: EngineConfig) -> AsyncEngineArgs:
-    """The engine arguments vLLM starts with: Shoal's settings, then the user's own flags
-    (``config.vllm_args``). Built in one call, so ``AsyncEngineArgs.__post_init__`` converts
-    each value once. Raises ``VllmArgsError`` on flags vLLM or Shoal refuses."""
-    return AsyncEngineArgs(**shoal_engine_args(config), **user_engine_args(config.vllm_args))
+def build_engine_args(config: EngineConfig, kv_events: KVEventsConfig | None = None) -> AsyncEngineArgs:
+    """The engine arguments vLLM starts with: Shoal's settings, ``kv_events`` (unless the
+    user's flags set their own), then the user's own flags (``config.vllm_args``). Built in one
+    call, so ``AsyncEngineArgs.__post_init__`` converts each value once. Raises
+    ``VllmArgsError`` on flags vLLM or Shoal refuses."""
+    user = user_engine_args(config.vllm_args)
+    shoal = shoal_engine_args(config)
+    if kv_events is not None and "kv_events_config" not in user:
+        shoal["kv_events_config"] = kv_events
+    return AsyncEngineArgs(**shoal, **user)
+
+
+def kv_events_source(user: KVEventsConfig | None) -> tuple[str, str] | None:
+    """Where this process can read the KV events of the user's own ``--kv-events-config``
+    (endpoint, topic): its PUB socket's address, a wildcard bind read on this host; None where
+    it publishes none or connects out to a broker of its own."""
+    if user is None or not user.enable_kv_cache_events or user.publisher != "zmq":
+        return None
+    endpoint = user.endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return (endpoint, user.topic) if endpoint.startswith("ipc://") else None
+    if "*" in endpoint:
+        return endpoint.replace("*", "127.0.0.1", 1), user.topic
+    return None
 
 
 def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
@@ -242,8 +263,21 @@ def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
 class VllmBackend:
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
+        self._events_dir: str | None = None
+        self.kv_events: tuple[str, str] | None = None
+        """Where vLLM publishes its KV events (endpoint, topic), for ``prefix_cache``."""
+        kv_events = None
+        user_events = user_engine_args(config.vllm_args).get("kv_events_config")
+        if user_events is not None:
+            self.kv_events = kv_events_source(user_events) if config.prefix_events else None
+        elif config.prefix_events:
+            # A socket file of its own: nothing else on the host can bind or read it.
+            self._events_dir = tempfile.mkdtemp(prefix="shoal-kv-events-")
+            endpoint = f"ipc://{self._events_dir}/events"
+            kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+            self.kv_events = endpoint, ""
         # Built here, so flags vLLM refuses stop the engine before anything loads.
-        self._args = build_engine_args(config)
+        self._args = build_engine_args(config, kv_events)
         self._load = BackendLoad()
         self._llm: AsyncLLM | None = None
         # The fast tokenizer's own, for ``OutputText``; None: vLLM detokenizes.
@@ -357,3 +391,6 @@ class VllmBackend:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._events_dir is not None:
+            shutil.rmtree(self._events_dir, ignore_errors=True)
+            self._events_dir = None

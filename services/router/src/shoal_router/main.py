@@ -42,6 +42,7 @@ from shoal_router.core.rebalance import BalancePolicy, Lease, Rebalancer
 from shoal_router.core.scheduling import Scheduler
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
+from shoal_router.ipc.prefix_events import PrefixEventReader
 from shoal_router.ipc.tokenizing import TokenizerClient
 from shoal_router.metrics import RouterMetrics
 
@@ -172,7 +173,7 @@ def _rebalancer(config: RouterConfig, clients: _Clients) -> Rebalancer:
 
 
 def _lifespan(
-    config: RouterConfig, clients: _Clients, supervisor: Supervisor
+    config: RouterConfig, clients: _Clients, generation: Generation, supervisor: Supervisor
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """Runs the router's background tasks while the app serves, then closes its clients."""
 
@@ -184,6 +185,14 @@ def _lifespan(
         ]
         if config.balance:
             tasks.append(supervisor.start(_rebalancer(config, clients).run_forever(), "rebalance"))
+        if generation.scheduler.prefix_cache is not None:
+            reader = PrefixEventReader(
+                clients.redis,
+                Keys(config.cluster),
+                generation.scheduler.prefix_cache.index,
+                lambda: list(clients.fleet.engines),
+            )
+            tasks.append(supervisor.start(reader.run_forever(), "prefix-events"))
         logger.info(
             "router %s: outputs on %s, serving %s",
             config.router_id,
@@ -216,11 +225,12 @@ def build_app(config: RouterConfig) -> FastAPI:
     clients = _connect(config, RouterMetrics())
     # The tasks that must run as long as the router: one that ends turns /livez to 503.
     supervisor = Supervisor()
+    generation = _generation(config, clients)
     return create_app(
-        _generation(config, clients),
+        generation,
         clients.tokenizer,
         config.retry_after_s,
-        lifespan=_lifespan(config, clients, supervisor),
+        lifespan=_lifespan(config, clients, generation, supervisor),
         api_keys=KeyFile(config.api_keys_file) if config.api_keys_file else None,
         admin_keys=KeyFile(config.admin_keys_file) if config.admin_keys_file else None,
         rate_limiter=RateLimiter(Limits(config.key_requests_per_minute, config.key_tokens_per_minute)),

@@ -127,7 +127,11 @@ class ServiceRoutes:
     async def fleet_page_state(self) -> JSONResponse:
         """Engines, this router's requests in flight and recent migrations (the fleet page's data)."""
         generation = self._generation
-        return JSONResponse(await fleet_state(generation.router_id, generation.fleet, generation.engines))
+        prefix_cache = generation.scheduler.prefix_cache
+        index = prefix_cache.index if prefix_cache is not None else None
+        return JSONResponse(
+            await fleet_state(generation.router_id, generation.fleet, generation.engines, index)
+        )
 
     async def prometheus_metrics(self) -> Response:
         metrics = self._generation.metrics

@@ -11,12 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from shoal_router.core.prefix_index import PrefixIndex
 from shoal_router.ipc.engines import EngineClient
 from shoal_router.ipc.fleet import FleetView
 
 
-async def fleet_state(router_id: str, fleet: FleetView, engines: EngineClient) -> dict[str, Any]:
-    """What the page shows, as JSON."""
+async def fleet_state(
+    router_id: str, fleet: FleetView, engines: EngineClient, prefix_index: PrefixIndex | None = None
+) -> dict[str, Any]:
+    """What the page shows, as JSON; ``cached_blocks``, each engine's prefix-cache blocks as this
+    router's index holds them, where it keeps one (``--scheduler prefix_cache``)."""
     now = time.time()
     engine_rows = []
     for view in sorted(fleet.engines.values(), key=lambda v: v.engine_id):
@@ -38,6 +42,7 @@ async def fleet_state(router_id: str, fleet: FleetView, engines: EngineClient) -
                 "held": view.held,
                 "step_ms": report.step_time_ms if report else 0.0,
                 "inflight_here": view.inflight,
+                "cached_blocks": prefix_index.held(view.engine_id) if prefix_index is not None else None,
             }
         )
     requests = [

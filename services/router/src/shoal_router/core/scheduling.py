@@ -29,9 +29,15 @@ Scorers:
   on the engine ids, so every router maps a prefix to the same engine.
 * ``session_affinity``: the same ring keyed by the request's session header, so a
   conversation's turns meet their cached history.
+* ``prefix_cache``: the share of the prompt an engine's prefix cache already holds, as the
+  engines' own KV events say (``prefix_index``): full blocks from the start of the prompt, in
+  [0, 1]. Only engines under the bounded-load cap of the affinity ring score (``(1 + epsilon)``
+  times the mean requests): a cached engine that is overloaded loses to a cold idle one, whose
+  freeness ``least_load`` scores.
 
 Profiles (``--scheduler``): ``least_load`` (the default), ``round_robin``, ``prefix_affinity``
-(prefix 2, least_load 1), ``session_affinity`` (session 2, least_load 1), or weights spelled out,
+(prefix 2, least_load 1), ``session_affinity`` (session 2, least_load 1), ``prefix_cache``
+(prefix_cache 2, least_load 1), or weights spelled out,
 ``prefix_affinity=2,least_load=1``. An affinity scorer outweighs ``least_load``, and its bound
 on load keeps it from piling requests on one engine.
 """
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field
 
 from shoal_protos.records import EngineState
 from shoal_router.core.dispatch import EngineView
+from shoal_router.core.prefix_index import PrefixIndex
 
 ACTIVE = EngineState.ACTIVE
 PREFIX_BLOCK_TOKENS = 16
@@ -217,13 +224,39 @@ class RoundRobin:
 
 # ---- profiles -----------------------------------------------------------------------------
 
-SCORERS = ("least_load", "prefix_affinity", "session_affinity")
+SCORERS = ("least_load", "prefix_affinity", "session_affinity", "prefix_cache")
 PROFILES: dict[str, str] = {
     "least_load": "least_load=1",
     "round_robin": "",
     "prefix_affinity": "prefix_affinity=2,least_load=1",
     "session_affinity": "session_affinity=2,least_load=1",
+    "prefix_cache": "prefix_cache=2,least_load=1",
 }
+LOAD_EPSILON = 0.25
+"""Affinity and cache scores count only on engines under ``(1 + LOAD_EPSILON)`` times the mean
+requests (``BoundedRing``'s cap)."""
+
+
+def load_cap(views: Sequence[EngineView], epsilon: float = LOAD_EPSILON) -> int:
+    """Bounded load's cap: an engine at or over it takes no request for affinity's sake."""
+    return math.ceil((1 + epsilon) * (sum(v.held for v in views) + 1) / len(views))
+
+
+@dataclass
+class PrefixCache:
+    """The ``prefix_cache`` scorer: the share of the prompt each engine under the load cap
+    holds in its prefix cache (only engines holding some)."""
+
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+    def scores(self, ask: Ask, views: list[EngineView]) -> dict[str, float]:
+        length = len(ask.prompt_token_ids)
+        if not length or not len(self.index):
+            return {}
+        cap = load_cap(views)
+        under = [v.engine_id for v in views if v.held < cap]
+        cached = self.index.cached_tokens(ask.prompt_token_ids, under)
+        return {engine_id: tokens / length for engine_id, tokens in cached.items()}
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -261,6 +294,8 @@ class Scheduler:
         self.filters: list[Filter] = [dispatchable, kv_room]
         self.load_weight = 0.0
         self.affinities: list[tuple[Affinity, float]] = []
+        self.prefix_cache: PrefixCache | None = None
+        self.prefix_weight = 0.0
         self._rng = rng or random.Random()
         self._round_robin = RoundRobin() if profile == "round_robin" else None
         if self._round_robin is not None:
@@ -270,6 +305,8 @@ class Scheduler:
                 self.load_weight = weight
             elif name == "prefix_affinity":
                 self.affinities.append((Affinity(prefix_key(prefix_blocks, prefix_block_tokens)), weight))
+            elif name == "prefix_cache":
+                self.prefix_cache, self.prefix_weight = PrefixCache(), weight
             else:
                 self.affinities.append((Affinity(session_key), weight))
 
@@ -295,6 +332,9 @@ class Scheduler:
             owner = affinity.favourite(ask, views)
             if owner is not None:
                 favourites[owner] = favourites.get(owner, 0.0) + weight
+        if self.prefix_cache is not None:
+            for engine_id, share in self.prefix_cache.scores(ask, views).items():
+                favourites[engine_id] = favourites.get(engine_id, 0.0) + self.prefix_weight * share
         if not self.load_weight:
             # Affinity alone: its favourite, else any engine (all score 0).
             best = max(favourites.values(), default=0.0)

@@ -1,0 +1,101 @@
+"""Prefix-cache routing on the real tiny fleet (128-token KV blocks, the fleet's default): the
+engines publish what vLLM's prefix cache holds (vLLM's KV events, through Redis), and a router
+with ``--scheduler prefix_cache`` sends a conversation's next turn to the engine that holds its
+first, with no session header; vLLM's own prefix-cache counters on that engine confirm the hit.
+A router started afterwards, as after a restart, builds the same index from Redis."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.support import (
+    STALL_S,
+    RunningFleet,
+    dispatched_at,
+    extra_router,
+    fleet_state,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+PROMPT_BLOCKS = 5
+BLOCK = 128
+
+
+def prefix_hits(fleet: RunningFleet, engine_id: str) -> float:
+    """Prompt tokens vLLM's prefix cache served on the engine (its own counter)."""
+    text = fleet.engine_metrics(engine_id)
+    return sum(
+        float(value) for value in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+    )
+
+
+def complete(url: str, model: str, prompt: list[int]) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4}
+    response = httpx.post(url + "/v1/completions", json=body, timeout=60 * STALL_S)
+    assert response.status_code == 200, response.text
+
+
+def served_by(url: str, before: dict[str, float]) -> str:
+    after = dispatched_at(url)
+    grew = [engine for engine, count in after.items() if count > before.get(engine, 0.0)]
+    assert len(grew) == 1, (before, after)
+    return grew[0]
+
+
+def cached_blocks(url: str, engine_id: str) -> int:
+    for engine in fleet_state(url)["engines"]:
+        if engine["id"] == engine_id:
+            return int(engine["cached_blocks"] or 0)
+    return 0
+
+
+def test_next_turns_land_where_their_prefix_is_cached_and_vllm_counts_the_hit(
+    tiny_fleet: RunningFleet, tmp_path: Path
+) -> None:
+    fleet, rng = tiny_fleet, random.Random(41)
+    engines = [f"engine-{i}" for i in range(fleet.cfg.engines)]
+    conversations = [[rng.randrange(3, 1000) for _ in range(PROMPT_BLOCKS * BLOCK + 40)] for _ in range(6)]
+    first_engines: list[str] = []
+    with extra_router(fleet, "prefix-router", tmp_path, "--scheduler", "prefix_cache") as (url, _):
+        wait_until(
+            lambda: all(engine["cached_blocks"] is not None for engine in fleet_state(url)["engines"]),
+            30,
+            "the router to read the engines' prefix caches",
+        )
+        for prompt in conversations:
+            held = {engine: cached_blocks(url, engine) for engine in engines}
+            before = dispatched_at(url)
+            complete(url, fleet.model, prompt)
+            engine = served_by(url, before)
+            first_engines.append(engine)
+            # The first turn's blocks, new to the engine, reach the router's index (the engine's
+            # vLLM events, through Redis).
+            wait_until(
+                lambda engine=engine, held=held: cached_blocks(url, engine) >= held[engine] + PROMPT_BLOCKS,
+                30,
+                "the router to learn the first turn's blocks",
+            )
+            hits = prefix_hits(fleet, engine)
+            before = dispatched_at(url)
+            complete(url, fleet.model, [*prompt, *(rng.randrange(3, 1000) for _ in range(60))])
+            assert served_by(url, before) == engine
+            # vLLM served the whole first turn's blocks from its cache.
+            assert prefix_hits(fleet, engine) - hits >= PROMPT_BLOCKS * BLOCK
+    # A router started now (as after a restart) reads the same caches from Redis.
+    with extra_router(fleet, "prefix-router-2", tmp_path, "--scheduler", "prefix_cache") as (url, _):
+        wait_until(
+            lambda: all(cached_blocks(url, e) >= PROMPT_BLOCKS for e in set(first_engines)),
+            30,
+            "the restarted router to read the snapshots",
+        )
+        for prompt, engine in zip(conversations, first_engines, strict=True):
+            before = dispatched_at(url)
+            complete(url, fleet.model, [*prompt, 7, 7, 7])
+            assert served_by(url, before) == engine
