@@ -140,6 +140,10 @@ bench-dispatch: setup ## Time the router's scheduler takes per request, 16 to 25
 bench-fleet: setup ## Round-robin vs least-load, migration and holding on 16 to 256 simulated engines; writes docs/benchmarks.md
 	$(PY) -m bench.fleet $(BENCH_ARGS)
 
+.PHONY: bench-prefix
+bench-prefix: setup ## Least-load, prefix affinity and prefix-cache routing on multi-turn sessions, 16 and 64 simulated engines; writes docs/benchmarks.md
+	$(PY) -m bench.prefix $(BENCH_ARGS)
+
 .PHONY: bench-consolidate
 bench-consolidate: setup ## Engines freed by consolidation and its latency cost, on simulated engines; writes docs/benchmarks.md
 	$(PY) -m bench.consolidate $(BENCH_ARGS)

@@ -192,3 +192,24 @@ def test_headroom_for_priority_requests_speeds_their_decoding() -> None:
     assert favoured["priority_decode_p50_ms"] < alike["priority_decode_p50_ms"]
     assert favoured["priority_decode_p50_ms"] < favoured["decode_p50_ms"]  # faster than the rest
     assert favoured["steady_tokens_per_s"] >= 0.95 * favoured["offered_tokens_per_s"]
+
+
+def test_multi_turn_sessions_share_prefixes_and_prefix_cache_routing_finds_them() -> None:
+    """Sessions' later turns repeat their earlier prompts; routed by the engines' prefix caches
+    (their changes read into the router's index), more of each prompt is found cached than by
+    least load, and more than by prefix affinity's hash of the first blocks; every request
+    completes."""
+    from shoal_sim.workloads import Conversations
+
+    workload = Conversations(rate=2.0, duration_s=40.0, seed=3)
+    assert workload.shared_tokens() > 0.5
+    prompts, draw = workload.prompts(), workload.draw()
+    assert [len(p) for p in prompts] == [p for _, p, _ in draw]
+    sim = SimConfig(model="llama3-8b-a100", kv_blocks=4096, block_size=16, max_model_len=16384)
+    hits = {}
+    for scheduler in ("least_load", "prefix_affinity", "prefix_cache"):
+        result = Simulation(Fleet(engines=4, sim=sim, scheduler=scheduler), workload).run()
+        assert len(result.ttft) == workload.requests
+        hits[scheduler] = result.cached_tokens / result.prompt_tokens
+    assert hits["prefix_cache"] > hits["prefix_affinity"] > hits["least_load"]
+    assert hits["prefix_cache"] > 0.6

@@ -303,3 +303,50 @@ async def test_bad_requests_and_configs_are_refused() -> None:
         SimulatedBackend(SimConfig(model="gpt-9"))
     with pytest.raises(ValueError, match="at least one request"):
         SimulatedBackend(SimConfig(kv_blocks=4, block_size=16, max_model_len=128))
+
+
+def _run_out(batch: SimBatch) -> None:
+    while (step := batch.plan()) is not None:
+        batch.finish(step)
+
+
+def test_the_prefix_cache_skips_the_blocks_an_earlier_prompt_left_and_evicts_oldest_first() -> None:
+    """As vLLM's prefix cache: a prompt whose leading blocks an earlier request computed starts
+    after them (at least its last token is computed), the blocks of requests that ended stay
+    cached in free blocks until those are taken, least recently used first, and the cache's
+    changes are what its KV events would say."""
+    from shoal_protos.prefix import chain_hashes
+
+    config = SimConfig(kv_blocks=24, block_size=16, max_batched_tokens=512, max_model_len=256)
+    batch = SimBatch(config)
+    system = list(range(64))
+    first = SimRequest("first", 96, 2, prefix=chain_hashes([*system, *range(1000, 1032)], 16))
+    batch.add(first)
+    step = batch.plan()
+    assert step is not None and step.scheduled == [(first, 96)] and first.cached_tokens == 0
+    _run_out(batch)
+    stored, removed = batch.take_changes()
+    assert stored == list(first.prefix) and removed == []
+    # A second prompt sharing the 64-token system prompt computes only what follows it.
+    second = SimRequest("second", 80, 2, prefix=chain_hashes([*system, *range(2000, 2016)], 16))
+    batch.add(second)
+    step = batch.plan()
+    assert step is not None and step.scheduled == [(second, 16)] and second.cached_tokens == 64
+    _run_out(batch)
+    assert (batch.cache_hits, batch.cache_queries) == (64, 176)
+    # A whole prompt cached still computes its last token.
+    again = SimRequest("again", 96, 2, prefix=first.prefix)
+    batch.add(again)
+    step = batch.plan()
+    assert step is not None and step.scheduled == [(again, 1)]
+    _run_out(batch)
+    batch.take_changes()
+    # A request that needs every block evicts what was cached, least recently used first:
+    # second's own last block (``again`` used the system prompt's and first's since).
+    big = SimRequest("big", 24 * 16 - 8, 2)
+    batch.add(big)
+    batch.finish(batch.plan())  # type: ignore[arg-type]
+    stored, removed = batch.take_changes()
+    assert stored == [] and set(removed) == {*first.prefix, *second.prefix}
+    assert removed[0] == second.prefix[-1] and removed[-1] == first.prefix[-1]
+    assert batch.cached_blocks(first.prefix) == 0

@@ -41,7 +41,8 @@ import logging
 import random
 import time
 from array import array
-from collections import deque
+from collections import Counter as Tally
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
@@ -213,6 +214,13 @@ class SimRequest:
     """Times it was preempted (its blocks freed) here."""
     load_ms: float = 0.0
     """Added to the next step that runs it (a moved request's admission and KV load)."""
+    prefix: Sequence[int] = ()
+    """The hashes of its prompt's full blocks (``shoal_protos.prefix.chain_hashes``), which the
+    engine's prefix cache keeps: empty, no caching."""
+    holds_prefix: bool = False
+    """Whether its prefix blocks are counted as in use here (admitted, not yet gone)."""
+    cached_tokens: int = 0
+    """Prompt tokens its last admission found in the prefix cache."""
 
     @property
     def context(self) -> int:
@@ -255,6 +263,14 @@ class SimBatch:
         self.free = config.kv_blocks
         self.preemptions = 0
         self.steps = 0
+        # The prefix cache, as vLLM keeps it: the blocks running requests hold (shared, counted
+        # by requests) and, in least recently used order, those whose requests left, kept in
+        # free blocks until the blocks are taken.
+        self._in_use: Tally[int] = Tally()
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._changes: dict[int, bool] = {}
+        self.cache_queries = self.cache_hits = 0
+        """Prompt tokens looked up in the prefix cache at admission, and found there."""
 
     def blocks(self, tokens: int) -> int:
         return -(-tokens // self.config.block_size)
@@ -274,6 +290,62 @@ class SimBatch:
             self.waiting.remove(request)
         self.free += request.blocks
         request.blocks = 0
+        self._release_prefix(request)
+
+    # ---- the prefix cache -------------------------------------------------------------------
+
+    def cached_blocks(self, prefix: Sequence[int]) -> int:
+        """Leading blocks of ``prefix`` the prefix cache holds."""
+        found = 0
+        for block in prefix:
+            if block not in self._in_use and block not in self._cached:
+                break
+            found += 1
+        return found
+
+    def _admit_prefix(self, request: SimRequest) -> None:
+        """A request admitted from the line with nothing computed: what the cache holds of its
+        prompt counts as computed (vLLM recomputes at least the last token), and its prompt's
+        blocks are in use now."""
+        if not request.prefix:
+            return
+        hit = min(self.cached_blocks(request.prefix) * self.config.block_size, request.prompt_len - 1)
+        self.cache_queries += request.prompt_len
+        self.cache_hits += hit
+        request.cached_tokens = request.computed = max(hit, 0)
+        self._hold_prefix(request)
+
+    def _hold_prefix(self, request: SimRequest) -> None:
+        for block in request.prefix:
+            was_cached = self._cached.pop(block, 0) is None
+            if not was_cached and block not in self._in_use:
+                self._changes[block] = True
+            self._in_use[block] += 1
+        request.holds_prefix = True
+
+    def _release_prefix(self, request: SimRequest) -> None:
+        """The request left: its prompt's blocks stay cached in free blocks, newest last."""
+        if not request.holds_prefix:
+            return
+        request.holds_prefix = False
+        for block in request.prefix:
+            self._in_use[block] -= 1
+            if self._in_use[block] <= 0:
+                del self._in_use[block]
+                self._cached[block] = None
+                self._cached.move_to_end(block)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Free blocks taken for other uses lose what they cached, least recently used first."""
+        while len(self._cached) > self.free:
+            block, _ = self._cached.popitem(last=False)
+            self._changes[block] = False
+
+    def take_changes(self) -> tuple[list[int], list[int]]:
+        """Blocks the cache gained and lost since the last call (as vLLM's KV events say)."""
+        changes, self._changes = self._changes, {}
+        return [b for b, kept in changes.items() if kept], [b for b, kept in changes.items() if not kept]
 
     def reserve(self, blocks: int) -> bool:
         """Set ``blocks`` aside for a request moving here, if they are free and a batch slot is
@@ -281,6 +353,7 @@ class SimBatch:
         if blocks > self.free or len(self.running) >= self.config.max_num_seqs:
             return False
         self.free -= blocks
+        self._evict()
         return True
 
     def unreserve(self, blocks: int) -> None:
@@ -300,6 +373,9 @@ class SimBatch:
         request.blocks = need
         request.computed = request.context - 1
         self.running[request] = None
+        # Its blocks are cached here now, as the target's vLLM caches the blocks it loaded.
+        self._hold_prefix(request)
+        self._evict()
 
     def load(self, into: BackendLoad) -> BackendLoad:
         into.num_running = len(self.running)
@@ -312,6 +388,7 @@ class SimBatch:
         victim, _ = self.running.popitem()
         self.free += victim.blocks
         victim.blocks = victim.computed = 0
+        self._release_prefix(victim)
         victim.preempted += 1
         self.waiting.appendleft(victim)
         self.preemptions += 1
@@ -349,17 +426,29 @@ class SimBatch:
         scheduled: list[tuple[SimRequest, int]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.context - request.computed, budget)
-            need = self.blocks(request.computed + n) - request.blocks
+            fresh = request.computed == 0 and request.blocks == 0
+            start = self._hit(request) if fresh else request.computed
+            n = min(request.context - start, budget)
+            need = self.blocks(start + n) - request.blocks
             if need > self.free:
                 break
             self.waiting.popleft()
+            if fresh:
+                self._admit_prefix(request)
             self.free -= need
             request.blocks += need
             self.running[request] = None
             scheduled.append((request, n))
             budget -= n
         return scheduled
+
+    def _hit(self, request: SimRequest) -> int:
+        """Prompt tokens an admission of ``request`` now would find cached."""
+        if not request.prefix:
+            return 0
+        return max(
+            min(self.cached_blocks(request.prefix) * self.config.block_size, request.prompt_len - 1), 0
+        )
 
     def plan(self) -> Step | None:
         """Schedule the next step as vLLM's scheduler does; None when there is nothing to run."""
@@ -369,6 +458,7 @@ class SimBatch:
         if not preempted:  # vLLM admits nothing in a step that preempted
             scheduled += self._schedule_waiting(budget)
         scheduled = [(r, n) for r, n in scheduled if r in self.running]
+        self._evict()
         if not scheduled:  # cannot happen (a lone request always fits)
             raise RuntimeError("the simulated engine has requests but can run none")
         decoding, context, chunks, extra = 0, 0, [], 0.0
@@ -402,6 +492,7 @@ class SimBatch:
                 del self.running[request]
                 self.free += request.blocks
                 request.blocks = 0
+                self._release_prefix(request)
             emitted.append((request, token))
         self.steps += 1
         return emitted

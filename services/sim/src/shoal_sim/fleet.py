@@ -34,8 +34,10 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from shoal_engine.migration import MIN_TOKENS_LEFT
+from shoal_protos.prefix import PrefixEvent, PrefixSnapshot, chain_hashes
 from shoal_protos.records import EngineRecord, LoadReport
 from shoal_router.core.dispatch import EngineView
 from shoal_router.core.hold import HoldLine, HoldPolicy
@@ -86,6 +88,11 @@ class Workload:
             raise ValueError("an empty trace")
         return cls(rate=len(trace) / max(trace[-1][0], 1e-9), requests=len(trace), trace=tuple(trace))
 
+    def prompts(self) -> list[list[int]] | None:
+        """Each request's prompt token ids, where the workload has them (prompts that share
+        prefixes); None: distinct ids per request."""
+        return None
+
     def priorities(self) -> list[bool]:
         """Whether each request (by arrival) is a priority request; drawn apart from the lengths,
         so the same seed gives the same requests with any share."""
@@ -113,6 +120,22 @@ class Workload:
             # A Pareto law's median is its scale times 2 ** (1 / alpha).
             return median / 2 ** (1 / self.pareto_alpha) * rng.paretovariate(self.pareto_alpha)
         return rng.lognormvariate(math.log(median), sigma)
+
+
+class Arrivals(Protocol):
+    """What a simulation runs: ``Workload``, or ``shoal_sim.workloads.Conversations``."""
+
+    @property
+    def requests(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    def draw(self) -> list[tuple[float, int, int]]: ...
+
+    def prompts(self) -> list[list[int]] | None: ...
+
+    def priorities(self) -> list[bool]: ...
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,9 @@ class Result:
     priority_ttft: list[float] = field(default_factory=list)
     priority_decode: list[float] = field(default_factory=list)
     """The same as ``ttft`` and ``decode``, for the priority requests alone (in both lists)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens admitted, and of those found in the engines' prefix caches."""
 
     @staticmethod
     def percentile(values: list[float], q: float) -> float:
@@ -229,6 +255,8 @@ class Result:
             "empty_engines": self.empty_engines,
             "held": sum(1 for h in self.held_s if h > 0),
             "held_p99_s": p(self.held_s, 99),
+            "ttft_p90_s": p(self.ttft, 90),
+            "cache_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             **(
                 {
                     "priority_ttft_p99_s": p(self.priority_ttft, 99),
@@ -252,7 +280,7 @@ def _decode(tracked: list[_Tracked]) -> list[float]:
 class Simulation:
     """One run: ``Simulation(fleet, workload).run()``."""
 
-    def __init__(self, fleet: Fleet, workload: Workload, progress: Callable[[int], None] | None = None):
+    def __init__(self, fleet: Fleet, workload: Arrivals, progress: Callable[[int], None] | None = None):
         self.fleet = fleet
         self.workload = workload
         self.progress = progress
@@ -267,6 +295,15 @@ class Simulation:
         self._read_delay = random.Random(workload.seed + 2)
         self._by_id = {view.engine_id: i for i, view in enumerate(self.views)}
         self.scheduler = Scheduler(fleet.scheduler, rng=random.Random(workload.seed))
+        # The engines' prefix-cache events, as the router's index reads them (each report).
+        self._index = self.scheduler.prefix_cache.index if self.scheduler.prefix_cache else None
+        self._event_seq = 0
+        if self._index is not None:
+            for view in self.views:
+                self._index.load(
+                    view.engine_id, PrefixSnapshot(epoch="sim", seq=0, block_size=fleet.sim.block_size)
+                )
+        self._prompts = workload.prompts()
         self.balancer = Balancer(fleet.balance)
         self._report_seq = 0
         self._tracked: dict[str, _Tracked] = {}
@@ -301,6 +338,7 @@ class Simulation:
         draw = self.workload.draw()
         for (arrival, prompt, output), priority in zip(draw, self.workload.priorities(), strict=True):
             self.at(arrival, functools.partial(self._arrive, prompt, output, priority))
+
         window = draw[-1][0]
         self._empty_window = (window / 2, window)
         emitted: list[int] = []
@@ -330,6 +368,8 @@ class Simulation:
             held_s=[t.sent - t.arrival for t in tracked],
             priority_ttft=[t.first - t.arrival for t in urgent],
             priority_decode=_decode(urgent),
+            prompt_tokens=sum(b.cache_queries for b in self.batches),
+            cached_tokens=sum(b.cache_hits for b in self.batches),
         )
 
     # ---- requests and engines ---------------------------------------------------------------
@@ -342,14 +382,20 @@ class Simulation:
     def _arrive(self, prompt: int, output: int, priority: bool = False) -> None:
         number, arrival = self._arrived, self.now
         self._arrived += 1
-        # Prompt ids only feed affinity scorers' hashes; distinct per request.
-        ask = Ask("m", range(number * 8192, number * 8192 + prompt))
+        prefix: Sequence[int] = ()
+        if self._prompts is not None:
+            tokens: Sequence[int] = self._prompts[number]
+            prefix = chain_hashes(tokens, self.fleet.sim.block_size)
+        else:
+            # Prompt ids only feed affinity scorers' hashes; distinct per request.
+            tokens = range(number * 8192, number * 8192 + prompt)
+        ask = Ask("m", tokens)
 
         def send(view: EngineView) -> None:
             engine = self._by_id[view.engine_id]
             view.sent(ask.blocks_on(view), now=self.now)
             self._received[engine] += 1  # dispatch is instantaneous: the engine has it now
-            request = SimRequest(f"r{number}", prompt, output)
+            request = SimRequest(f"r{number}", prompt, output, prefix=prefix)
             self._tracked[request.request_id] = _Tracked(
                 arrival, self.now, request, engine, priority=priority
             )
@@ -429,12 +475,25 @@ class Simulation:
                     received={ROUTER: self._received[engine]} if self.fleet.count_received else {},
                 )
             )
+        self._publish_prefix_caches()
         if self.fleet.report_read_delay_s:
             delay = self._read_delay.uniform(0.0, self.fleet.report_read_delay_s)
             self.at(self.now + delay, lambda: self._read(reports))
         else:
             self._read(reports)
         self.at(self.now + self.fleet.report_interval_s, self._report)
+
+    def _publish_prefix_caches(self) -> None:
+        """Each engine's prefix-cache changes since the last report, into the router's index
+        as its events would bring them."""
+        if self._index is None:
+            return
+        self._event_seq += 1
+        for view, batch in zip(self.views, self.batches, strict=True):
+            stored, removed = batch.take_changes()
+            event = PrefixEvent(epoch="sim", seq=self._event_seq, stored=stored, removed=removed)
+            applied = self._index.apply(view.engine_id, event, "")
+            assert applied, "the simulated engines' events come in order"
 
     def _read(self, reports: list[LoadReport]) -> None:
         """The router reads a round of load reports (and sends what it held, if it has room)."""

@@ -21,7 +21,7 @@ from shoal_protos.prefix import ROOT, PrefixEvent, PrefixSnapshot, chain_hashes
 
 MAX_BLOCKS = 4_000_000
 """Distinct blocks a router indexes by default (a few hundred MB at most)."""
-HASH_BATCH = 64
+HASH_BATCH = 256
 """Blocks of a prompt hashed at a time: a prompt none of whose first blocks is cached anywhere
 costs one batch, not its whole length."""
 

@@ -1,0 +1,341 @@
+"""Prefix-cache routing on multi-turn workloads: least-load, prefix affinity and the engines' own
+prefix caches (``prefix_cache``), on simulated fleets of 16 and 64 engines.
+
+Method
+------
+The workload is ``shoal_sim.workloads.Conversations`` at its defaults: chat sessions under one of
+8 shared system prompts of 1,024 tokens (5 turns on average, each sending the whole history back,
+8 s of thought between an answer and the next turn), agent loops (a quarter of the sessions: 10
+steps on average, each adding a tool's result of about 384 tokens to a growing context) and
+one-off requests (a fifth), sessions starting as a Poisson process at each swept rate for
+``--duration`` seconds. Engines are ``shoal_sim`` engines with the ``llama3-8b-a100`` step model
+(a roofline estimate, not a measurement) and 262,144 tokens of KV each (16-token blocks), with a
+prefix cache kept as vLLM keeps it (blocks of requests that ended stay cached in free blocks, least
+recently used evicted first). Every policy is the router's own ``Scheduler`` with its shipped
+hold line; ``prefix_cache`` reads the engines' cache changes through the router's
+``PrefixIndex`` at each load report, as the engines' events would bring them. One run per rate,
+policy and seed, every rate reported.
+
+Measured per run: TTFT p50 / p90 / p99 (arrival to first token), the share of prompt tokens the
+engines found in their prefix caches, and whether the fleet kept up (tokens delivered over the
+second half of the window at least 95 % of those asked for). The *knee* is the highest rate
+least-load keeps up with; *throughput at the SLO* is the output tokens per second of the highest
+rate at which a policy keeps up with TTFT p90 within ``--slo`` seconds.
+
+Beside the simulation, the router's index alone: the time to find where a 32k-token prompt's
+blocks are cached among 256 engines (its whole prefix held by one engine, parts by others), and
+the index's memory per block.
+
+Targets (issue 41): at the knee, TTFT p90 >= 5x better than least-load and >= 2x better than
+``prefix_affinity`` on 16 and 64 engines; throughput at the SLO >= 1.5x least-load; a lookup
+<= 1 ms p99 at 256 engines for 32k-token prompts.
+
+Results: ``bench/results/prefix-<time>.json``, ``docs/img/prefix_routing.png`` and the section
+between ``<!-- prefix:begin -->`` and ``<!-- prefix:end -->`` of ``docs/benchmarks.md``
+(``python -m bench.prefix``, ``make bench-prefix``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import tracemalloc
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from bench.harness import IMG, publish, pyplot, quantile, save_plot, save_results, say, stamp, table
+from shoal_protos.prefix import PrefixSnapshot, chain_hashes
+from shoal_router.config import RouterConfig
+from shoal_router.core.hold import HoldPolicy
+from shoal_router.core.prefix_index import PrefixIndex
+from shoal_sim.engine import SimConfig
+from shoal_sim.fleet import Fleet, Simulation
+from shoal_sim.workloads import Conversations
+
+BEGIN, END = "<!-- prefix:begin -->", "<!-- prefix:end -->"
+SIM = SimConfig(
+    model="llama3-8b-a100", kv_blocks=16384, block_size=16, max_num_seqs=256, max_batched_tokens=8192,
+    max_model_len=16384,
+)  # fmt: skip
+POLICIES = ("least_load", "prefix_affinity", "prefix_cache")
+RATES = {16: "4,6,8,10,12,14", 64: "16,24,28,32,40,48"}
+"""Sessions started per second, swept per fleet size."""
+
+
+@dataclass(frozen=True)
+class Run:
+    engines: int
+    rate: float
+    policy: str
+    seed: int
+    duration_s: float
+
+
+def run(spec: Run) -> dict[str, Any]:
+    """One simulation (in a worker process): its summary, with what it ran."""
+    defaults = RouterConfig()
+    fleet = Fleet(
+        engines=spec.engines,
+        sim=SIM,
+        scheduler=spec.policy,
+        hold=HoldPolicy(defaults.hold_below, defaults.hold_max_s),
+    )
+    workload = Conversations(rate=spec.rate, duration_s=spec.duration_s, seed=spec.seed)
+    started = time.monotonic()
+    result = Simulation(fleet, workload).run()
+    row: dict[str, Any] = {**spec.__dict__, **result.summary(), "requests": workload.requests}
+    row["sustained"] = row["steady_tokens_per_s"] >= 0.95 * row["asked_steady_tokens_per_s"]
+    row["wall_s"] = time.monotonic() - started
+    return row
+
+
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    specs = [
+        Run(engines, float(rate), policy, seed, args.duration)
+        for engines in (int(e) for e in args.engines.split(","))
+        for rate in (args.rates or RATES.get(engines, RATES[16])).split(",")
+        for seed in range(args.seed, args.seed + args.seeds)
+        for policy in POLICIES
+    ]
+    say(f"{len(specs)} simulations on {args.workers} process(es)")
+    rows = []
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        for i, row in enumerate(pool.map(run, specs), 1):
+            rows.append(row)
+            say(
+                f"  [{i}/{len(specs)}] {row['engines']} engines, {row['rate']:g} sessions/s, "
+                f"seed {row['seed']}: {row['policy']} TTFT p90 {row['ttft_p90_s']:.2f} s, "
+                f"cache hits {row['cache_hit_rate']:.0%}"
+                f"{'' if row['sustained'] else ', falls behind'} ({row['wall_s']:.0f} s)"
+            )
+    return rows
+
+
+# ---- the index alone ---------------------------------------------------------------------------
+
+
+def index_cost(engines: int = 256, prompt_tokens: int = 32_768, lookups: int = 300) -> list[dict[str, Any]]:
+    """Lookup time and memory per block of the router's index, for 16- and 128-token blocks."""
+    rows = []
+    for block_size in (16, 128):
+        rng = random.Random(block_size)
+        prompt = [rng.randrange(50_000) for _ in range(prompt_tokens)]
+        hashes = chain_hashes(prompt, block_size)
+        index = PrefixIndex()
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        for e in range(engines):
+            own = chain_hashes([rng.randrange(50_000) for _ in range(4096)], block_size)
+            held = hashes if e == 0 else hashes[: rng.randrange(len(hashes))]
+            index.load(
+                f"engine-{e:03d}", PrefixSnapshot(epoch="a", seq=0, block_size=block_size, blocks=held + own)
+            )
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+        ids = index.engines()
+        times = []
+        for _ in range(lookups):
+            started = time.perf_counter()
+            found = index.cached_tokens(prompt, ids)
+            times.append(time.perf_counter() - started)
+        assert found["engine-000"] == len(hashes) * block_size
+        rows.append(
+            {
+                "block_size": block_size,
+                "engines": engines,
+                "prompt_tokens": prompt_tokens,
+                "indexed_blocks": len(index),
+                "bytes_per_block": grown / len(index),
+                "lookup_p50_ms": quantile(times, 0.5) * 1000,
+                "lookup_p99_ms": quantile(times, 0.99) * 1000,
+            }
+        )
+    return rows
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+
+def knee(rows: list[dict[str, Any]], engines: int, seed: int) -> float | None:
+    """The highest rate least-load keeps up with."""
+    kept = [
+        r["rate"]
+        for r in rows
+        if (r["engines"], r["seed"], r["policy"], r["sustained"]) == (engines, seed, "least_load", True)
+    ]
+    return max(kept) if kept else None
+
+
+def at_slo(
+    rows: list[dict[str, Any]], engines: int, seed: int, policy: str, slo: float
+) -> dict[str, Any] | None:
+    """The run of the highest rate at which ``policy`` keeps up within the TTFT p90 SLO."""
+    good = [
+        r
+        for r in rows
+        if (r["engines"], r["seed"], r["policy"]) == (engines, seed, policy)
+        and r["sustained"]
+        and r["ttft_p90_s"] <= slo
+    ]
+    return max(good, key=lambda r: r["rate"]) if good else None
+
+
+def _cell(rows: list[dict[str, Any]], engines: int, seed: int, rate: float, policy: str) -> dict[str, Any]:
+    return next(
+        r for r in rows if (r["engines"], r["seed"], r["rate"], r["policy"]) == (engines, seed, rate, policy)
+    )
+
+
+def report(rows: list[dict[str, Any]], index_rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        BEGIN,
+        "## Prefix-cache routing on multi-turn workloads "
+        f"(`python -m bench.prefix --duration {args.duration:g}`)",
+        "",
+        "Simulated fleets (`shoal_sim`, `llama3-8b-a100` roofline step model, 262,144 tokens of KV per "
+        "engine in 16-token blocks, vLLM's prefix cache modelled); the workload mixes chat sessions under "
+        "8 shared system prompts, agent tool loops with growing contexts, and one-off requests "
+        "(`shoal_sim.workloads.Conversations`, sessions per second swept). Every policy is the router's "
+        f"`Scheduler` with its shipped hold line. TTFT in seconds; hits: the share of prompt tokens found "
+        f"in the engines' prefix caches; `*`: the fleet falls behind (delivers under 95 % of the tokens "
+        f"asked for). Knee: the highest rate least-load keeps up with. SLO: TTFT p90 <= {args.slo:g} s.",
+        "",
+        stamp(),
+        "",
+    ]
+    seeds = sorted({r["seed"] for r in rows})
+    for engines in sorted({r["engines"] for r in rows}):
+        for seed in seeds:
+            lines += [f"**{engines} engines, seed {seed}**", ""]
+            body = []
+            for rate in sorted({r["rate"] for r in rows if r["engines"] == engines}):
+                cells = []
+                for policy in POLICIES:
+                    c = _cell(rows, engines, seed, rate, policy)
+                    mark = "" if c["sustained"] else "*"
+                    ttft = f"{c['ttft_p50_s']:.2f} / {c['ttft_p90_s']:.2f} / {c['ttft_p99_s']:.2f}{mark}"
+                    cells.append(f"{ttft} ({c['cache_hit_rate']:.0%})")
+                body.append([f"{rate:g}", *cells])
+            lines += table(
+                ["sessions/s", *(f"{p}: TTFT p50 / p90 / p99 (hits)" for p in POLICIES)], "rlll", body
+            )
+            lines.append("")
+            lines += verdict(rows, engines, seed, args.slo)
+            lines.append("")
+    lines += [
+        "The router's index alone (`PrefixIndex.cached_tokens`): one 32,768-token prompt among 256 engines, "
+        "one holding all of it, the others a random part and 4,096 tokens of their own; "
+        f"{index_rows[0]['engines']} engines, {len(index_rows)} block sizes. Target: lookup <= 1 ms p99.",
+        "",
+        *table(
+            ["block size", "blocks indexed", "bytes per block", "lookup p50", "lookup p99"],
+            "rrrrr",
+            [
+                [
+                    r["block_size"],
+                    f"{r['indexed_blocks']:,}",
+                    f"{r['bytes_per_block']:.0f}",
+                    f"{r['lookup_p50_ms']:.2f} ms",
+                    f"{r['lookup_p99_ms']:.2f} ms",
+                ]
+                for r in index_rows
+            ],
+        ),
+        "",
+        "![TTFT p90 and cache hits against the rate](img/prefix_routing.png)",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]], engines: int, seed: int, slo: float) -> list[str]:
+    out = []
+    rate = knee(rows, engines, seed)
+    if rate is None:
+        out.append("Least-load keeps up with none of the rates: no knee in this sweep.")
+    else:
+        base, aff, ours = (_cell(rows, engines, seed, rate, p)["ttft_p90_s"] for p in POLICIES)
+        out.append(
+            f"At the knee ({rate:g} sessions/s) `prefix_cache` TTFT p90 is {base / ours:.1f}x better than "
+            f"least-load (target 5x: {_met(base / ours >= 5)}) and {aff / ours:.1f}x better than "
+            f"`prefix_affinity` (target 2x: {_met(aff / ours >= 2)})."
+        )
+    best = {p: at_slo(rows, engines, seed, p, slo) for p in POLICIES}
+    parts = [
+        f"{p} {b['steady_tokens_per_s']:,.0f} tokens/s ({b['rate']:g} sessions/s)" if b else f"{p} none"
+        for p, b in best.items()
+    ]
+    line = f"Throughput at the SLO: {', '.join(parts)}"
+    if best["least_load"] and best["prefix_cache"]:
+        ratio = best["prefix_cache"]["steady_tokens_per_s"] / best["least_load"]["steady_tokens_per_s"]
+        high = max(r["rate"] for r in rows if r["engines"] == engines)
+        capped = (
+            " (at the sweep's highest rate: a lower bound)" if best["prefix_cache"]["rate"] == high else ""
+        )
+        line += f"; `prefix_cache` / least-load {ratio:.2f}x{capped} (target 1.5x: {_met(ratio >= 1.5)})"
+    out.append(line + ".")
+    return out
+
+
+def _met(met: bool) -> str:
+    return "met" if met else "not met"
+
+
+def plot(rows: list[dict[str, Any]]) -> None:
+    plt = pyplot()
+    sizes = sorted({r["engines"] for r in rows})
+    seed = min(r["seed"] for r in rows)
+    fig, axes = plt.subplots(2, len(sizes), figsize=(5 * len(sizes), 7), squeeze=False)
+    for column, engines in enumerate(sizes):
+        for policy, marker in zip(POLICIES, "os^", strict=True):
+            runs = sorted(
+                (r for r in rows if (r["engines"], r["policy"], r["seed"]) == (engines, policy, seed)),
+                key=lambda r: r["rate"],
+            )
+            rates = [r["rate"] for r in runs]
+            axes[0][column].plot(rates, [r["ttft_p90_s"] for r in runs], marker=marker, label=policy)
+            axes[1][column].plot(
+                rates, [100 * r["cache_hit_rate"] for r in runs], marker=marker, label=policy
+            )
+        axes[0][column].set_yscale("log")
+        axes[0][column].set_title(f"{engines} engines")
+        axes[0][column].set_ylabel("TTFT p90 (s)")
+        axes[1][column].set_ylabel("prompt tokens cached (%)")
+        for ax in axes[:, column]:
+            ax.set_xlabel("sessions started per second")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Multi-turn sessions on simulated engines (llama3-8b-a100 roofline), seed {seed}")
+    fig.tight_layout()
+    save_plot(fig, IMG / "prefix_routing.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default="16,64", help="fleet sizes, comma-separated")
+    parser.add_argument("--rates", default="", help="sessions/s to sweep (default: per fleet size)")
+    parser.add_argument("--duration", type=float, default=240.0, help="seconds over which sessions start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument(
+        "--slo", type=float, default=1.0, help="TTFT p90 target (s) for throughput at the SLO"
+    )
+    parser.add_argument("--workers", type=int, default=2, help="simulations run at once")
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+    args = parser.parse_args()
+    started = time.monotonic()
+    rows = sweep(args)
+    say("the router's index alone: 256 engines, 32k-token prompts")
+    index_rows = index_cost()
+    save_results("prefix", {"args": vars(args), "runs": rows, "index": index_rows})
+    if not args.no_docs:
+        plot(rows)
+    publish(report(rows, index_rows, args), BEGIN, END, args.no_docs)
+    say(f"done in {(time.monotonic() - started) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
