@@ -144,6 +144,10 @@ bench-fleet: setup ## Round-robin vs least-load, migration and holding on 16 to 
 bench-prefix: setup ## Least-load, prefix affinity and prefix-cache routing on multi-turn sessions, 16 and 64 simulated engines; writes docs/benchmarks.md
 	$(PY) -m bench.prefix $(BENCH_ARGS)
 
+.PHONY: bench-prefix-real
+bench-prefix-real: setup models ## The same comparison on the real two-engine fleet, one multi-turn trace; writes docs/benchmarks.md
+	$(PY) -m bench.prefix_real $(BENCH_ARGS)
+
 .PHONY: bench-consolidate
 bench-consolidate: setup ## Engines freed by consolidation and its latency cost, on simulated engines; writes docs/benchmarks.md
 	$(PY) -m bench.consolidate $(BENCH_ARGS)

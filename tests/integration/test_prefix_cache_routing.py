@@ -2,7 +2,8 @@
 engines publish what vLLM's prefix cache holds (vLLM's KV events, through Redis), and a router
 with ``--scheduler prefix_cache`` sends a conversation's next turn to the engine that holds its
 first, with no session header; vLLM's own prefix-cache counters on that engine confirm the hit.
-A router started afterwards, as after a restart, builds the same index from Redis."""
+A router started afterwards, as after a restart, builds the same index from Redis; a request
+moved with its KV is announced by its target."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shoal_protos import engine_control_pb2 as pb
+from shoal_protos.prefix import chain_hashes, prefix_snapshot_decoder
 from tests.integration.support import (
     STALL_S,
     RunningFleet,
     dispatched_at,
     extra_router,
     fleet_state,
+    in_flight,
     wait_until,
 )
 
@@ -99,3 +103,30 @@ def test_next_turns_land_where_their_prefix_is_cached_and_vllm_counts_the_hit(
             before = dispatched_at(url)
             complete(url, fleet.model, [*prompt, 7, 7, 7])
             assert served_by(url, before) == engine
+
+
+def test_a_moved_requests_blocks_are_announced_by_its_target(tiny_fleet: RunningFleet) -> None:
+    """A request moved with its KV: the target's vLLM caches the blocks it loaded, and its
+    prefix-cache events say so, so the next turn of that conversation can follow it there."""
+    fleet, rng = tiny_fleet, random.Random(43)
+    prompt = [rng.randrange(3, 1000) for _ in range(3 * BLOCK + 10)]
+    hashes = set(chain_hashes(prompt, BLOCK))
+    body = {"model": fleet.model, "prompt": prompt, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", fleet.base_url + "/v1/completions", json=body, timeout=60 * STALL_S) as reply:
+        assert reply.status_code == 200
+        request_id = reply.headers["x-shoal-request-id"]
+        lines = reply.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        source = next(r["engine"] for r in in_flight(fleet) if r["id"] == request_id)
+        target = next(e for e in ("engine-0", "engine-1") if e != source)
+        result = fleet.migrate(request_id, source, target)
+        assert result.outcome == pb.MIGRATED, result
+        wait_until(
+            lambda: hashes <= snapshot_blocks(fleet, target), 30, "the target to announce the moved blocks"
+        )
+        reply.close()
+
+
+def snapshot_blocks(fleet: RunningFleet, engine_id: str) -> set[int]:
+    raw = fleet.redis.get(fleet.keys.prefix_snapshot(engine_id))
+    return set(prefix_snapshot_decoder.decode(raw).blocks) if raw else set()

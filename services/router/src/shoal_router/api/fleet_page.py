@@ -74,6 +74,12 @@ async def fleet_state(
         "router": router_id,
         "redis": fleet.redis_ok,
         "time": now,
+        # The index's engines and distinct blocks; None without one.
+        "prefix_index": (
+            {"engines": sorted(prefix_index.engines()), "blocks": len(prefix_index)}
+            if prefix_index is not None
+            else None
+        ),
         "engines": engine_rows,
         "requests": requests,
         "migrations": migrations,

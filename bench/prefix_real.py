@@ -1,0 +1,211 @@
+"""Prefix-cache routing on the real two-engine fleet: the same multi-turn trace through
+least-load, prefix affinity and ``prefix_cache``, each on a fresh fleet (cold caches).
+
+Method
+------
+``shoal_sim.workloads.Conversations`` sized to this machine (SmolLM2-135M-Instruct, two CPU
+engines of one core each as ``make run`` starts them, 2,048-token context): chat sessions under
+8 shared system prompts of 384 tokens (4 turns on average, the whole history sent back each
+turn, 2 s of thought), agent loops with growing contexts (a quarter of the sessions) and
+one-off requests (a fifth), sessions starting at ``--rate`` per second for ``--duration``
+seconds. Prompt ids are mapped into ordinary tokens; every request streams its drawn number of
+tokens (``ignore_eos``). The trace is the same for every policy; each policy gets a fresh fleet,
+its router started with ``--scheduler <policy>``, and the trace is sent open loop at its drawn
+times. TTFT is measured at the client; the cache hit rate is vLLM's own (its
+``prefix_cache_hits`` over ``prefix_cache_queries``, both engines, this trace only).
+
+Target (issue 41): on the real fleet, ``prefix_cache`` better than both, the hit rate shown.
+
+Results: ``bench/results/prefix-real-<time>.json`` and the section between
+``<!-- prefix-real:begin -->`` and ``<!-- prefix-real:end -->`` of ``docs/benchmarks.md``
+(``python -m bench.prefix_real``, ``make bench-prefix-real``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import time
+from typing import Any
+
+import httpx
+
+from bench import stepfit
+from bench.harness import ROOT, publish, quantile, save_results, say, stamp, table
+from bench.serving import FLEET_PORTS, MODEL_NAME, TOKEN_ID_RANGE, Progress, RequestResult, send_one
+from shoal_fleet.cpu import cpu_flags, native_dtype
+from shoal_fleet.launcher import Fleet, FleetConfig
+from shoal_sim.workloads import Conversations
+
+BEGIN, END = "<!-- prefix-real:begin -->", "<!-- prefix-real:end -->"
+POLICIES = ("least_load", "prefix_affinity", "prefix_cache")
+ENGINES = 2
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+"""Idle connections close before the router's server closes them (its 5 s keep-alive)."""
+
+
+def workload(rate: float, duration_s: float, seed: int) -> Conversations:
+    return Conversations(
+        rate=rate,
+        duration_s=duration_s,
+        system_tokens=384,
+        chat_turns=4.0,
+        agent_steps=6.0,
+        tool_tokens=96,
+        user_tokens=48,
+        output_tokens=24,
+        think_s=2.0,
+        answer_s_per_token=0.05,
+        max_model_len=stepfit.MAX_MODEL_LEN - 1,
+        seed=seed,
+    )
+
+
+def prompts_of(trace: Conversations) -> list[list[int]]:
+    low, high = TOKEN_ID_RANGE
+    return [[low + token % (high - low) for token in prompt] for prompt in trace.prompts()]
+
+
+def vllm_cache_counters(cfg: FleetConfig) -> tuple[float, float]:
+    """(prompt tokens looked up, found) in vLLM's prefix caches, both engines."""
+    queries = hits = 0.0
+    for i in range(cfg.engines):
+        text = httpx.get(f"http://127.0.0.1:{cfg.engine_http_base_port + i}/metrics", timeout=10).text
+        queries += sum(
+            float(v) for v in re.findall(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.M)
+        )
+        hits += sum(
+            float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M)
+        )
+    return queries, hits
+
+
+async def replay(url: str, trace: Conversations, label: str) -> list[RequestResult]:
+    prompts = prompts_of(trace)
+    draw = trace.draw()
+    progress = Progress(label, len(draw), every=25)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=CLIENT_LIMITS) as client:
+
+        async def one(index: int, at: float, prompt: list[int], output: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, progress.t0 + at - time.perf_counter()))
+            result = await send_one(client, url, prompt, output, index, progress.t0)
+            progress.finished(result)
+            return result
+
+        beat = asyncio.create_task(progress.heartbeat())
+        try:
+            return list(
+                await asyncio.gather(
+                    *(one(i, a, p, o) for i, ((a, _, o), p) in enumerate(zip(draw, prompts, strict=True)))
+                )
+            )
+        finally:
+            beat.cancel()
+
+
+def run_policy(policy: str, trace: Conversations, dtype: str) -> dict[str, Any]:
+    cfg = FleetConfig(
+        model_path=stepfit.MODEL,
+        served_model_name=MODEL_NAME,
+        run_dir=ROOT / ".cache" / "bench" / "prefix-real",
+        engines=ENGINES,
+        cluster="bench-prefix",
+        dtype=dtype,
+        enforce_eager=True,
+        router_args=("--scheduler", policy),
+        **FLEET_PORTS,
+    )
+    fleet = Fleet(cfg, say=lambda line: say("  " + line.strip()))
+    try:
+        fleet.start()
+        fleet.wait_ready(600.0)
+        url = cfg.base_url + "/v1/completions"
+        # Warm-up: prompts of their own, so no policy starts with the trace's blocks cached.
+        warm = workload(1.0, 4.0, seed=10_000)
+        asyncio.run(replay(url, warm, f"{policy}, warm-up"))
+        before = vllm_cache_counters(cfg)
+        results = asyncio.run(replay(url, trace, policy))
+        after = vllm_cache_counters(cfg)
+    finally:
+        fleet.stop()
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{policy}: {len(failed)} request(s) failed: {failed[0].error}")
+    ttft = [(r.ttft_ms or 0.0) / 1000 for r in results]
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {
+        "policy": policy,
+        "requests": len(results),
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p90_s": quantile(ttft, 0.9),
+        "ttft_p99_s": quantile(ttft, 0.99),
+        "tpot_p50_ms": quantile([r.tpot_ms for r in results if r.tpot_ms is not None], 0.5),
+        "hit_rate": hits / queries if queries else 0.0,
+        "prompt_tokens": queries,
+        "cached_tokens": hits,
+        "ttft_s": ttft,
+    }
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, trace: Conversations) -> str:
+    by = {row["policy"]: row for row in rows}
+    ours = by["prefix_cache"]
+    lines = [
+        BEGIN,
+        "## Prefix-cache routing on the real fleet (`python -m bench.prefix_real`)",
+        "",
+        f"Two SmolLM2-135M-Instruct CPU engines (one core each, 128-token KV blocks, as `make run` starts "
+        f"them); one trace of {trace.requests} requests from multi-turn sessions (`Conversations` sized to "
+        f"the machine: {args.rate:g} sessions/s for {args.duration:g} s, seed {args.seed}; a perfect prefix "
+        f"cache would skip {trace.shared_tokens(128):.0%} of the prompt tokens in 128-token blocks), the "
+        "same for each policy, each on a fresh fleet. TTFT at the client, in seconds; hits: vLLM's own "
+        "prefix-cache hit rate over the trace.",
+        "",
+        stamp(),
+        "",
+        *table(
+            ["scheduler", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "prefix-cache hits"],
+            "lrrrrr",
+            [
+                [
+                    f"`{r['policy']}`",
+                    f"{r['ttft_p50_s']:.2f}",
+                    f"{r['ttft_p90_s']:.2f}",
+                    f"{r['ttft_p99_s']:.2f}",
+                    f"{r['tpot_p50_ms']:.0f} ms",
+                    f"{r['hit_rate']:.0%}",
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        f"`prefix_cache` / least-load: TTFT p90 {by['least_load']['ttft_p90_s'] / ours['ttft_p90_s']:.2f}x "
+        f"better; / `prefix_affinity`: {by['prefix_affinity']['ttft_p90_s'] / ours['ttft_p90_s']:.2f}x "
+        "better.",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=0.6, help="sessions started per second")
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds over which sessions start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
+    args = parser.parse_args()
+    started = time.monotonic()
+    dtype = native_dtype(cpu_flags())[0]
+    trace = workload(args.rate, args.duration, args.seed)
+    say(f"{trace.requests} requests per policy, {', '.join(POLICIES)}")
+    rows = [run_policy(policy, trace, dtype) for policy in POLICIES]
+    save_results("prefix-real", {"args": vars(args), "runs": rows})
+    for row in rows:
+        row.pop("ttft_s")
+    publish(report(rows, args, trace), BEGIN, END, args.no_docs)
+    say(f"done in {(time.monotonic() - started) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
