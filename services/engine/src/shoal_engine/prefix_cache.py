@@ -44,9 +44,10 @@ from shoal_protos.tasks import Supervisor
 
 logger = logging.getLogger(__name__)
 
-STREAM_MAXLEN = 10_000
+STREAM_MAXLEN = 1_000
 """Events kept in an engine's stream (Redis trims the oldest, roughly): a router further behind
-than this starts again from the snapshot."""
+than this starts again from the snapshot. Each event holds a step's new blocks, so this bounds
+what a fleet's streams hold in Redis (hundreds of engines share one)."""
 
 
 class CachedBlocks:
