@@ -348,7 +348,7 @@ class RouterSpec(SpecModel):
         description="How each request is placed on an engine: least_load (free KV per batch slot), "
         "round_robin, prefix_affinity, session_affinity (the x-session-id header), prefix_cache (where "
         "the engines' prefix caches hold the prompt's first blocks, from their KV events), or scorer "
-        "weights such as prefix_cache=2,least_load=1.",
+        "weights such as prefix_cache=8,least_load=1.",
     )
     hold_max_s: float = Field(
         default=1.0,

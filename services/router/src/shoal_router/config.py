@@ -92,7 +92,7 @@ class RouterConfig(BaseModel):
     scheduler: str = "least_load"
     """How an engine is picked for each request: a profile (``least_load``, ``round_robin``,
     ``prefix_affinity``, ``session_affinity``, ``prefix_cache``) or scorer weights such as
-    ``prefix_cache=2,least_load=1`` (see ``core.scheduling``). ``prefix_cache`` follows what
+    ``prefix_cache=8,least_load=1`` (see ``core.scheduling``). ``prefix_cache`` follows what
     the engines' prefix caches hold (their ``--prefix-events``, on by default)."""
 
     prefix_blocks: int = Field(default=4, ge=1, le=1024)

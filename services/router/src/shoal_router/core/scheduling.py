@@ -31,13 +31,15 @@ Scorers:
   conversation's turns meet their cached history.
 * ``prefix_cache``: the share of the prompt an engine's prefix cache already holds, as the
   engines' own KV events say (``prefix_index``): full blocks from the start of the prompt, in
-  [0, 1]. Only engines under the bounded-load cap of the affinity ring score (``(1 + epsilon)``
-  times the mean requests): a cached engine that is overloaded loses to a cold idle one, whose
-  freeness ``least_load`` scores.
+  [0, 1]. Only engines under a bounded-load cap score (``(1 + epsilon)`` times the mean
+  requests, or the mean plus ``CACHE_SLACK``): a cached engine that is overloaded loses to a cold
+  idle one, whose freeness ``least_load`` scores. Under the cap the cache weighs heavily (the
+  profile's 8 to least-load's 1, whose score spans [0, 1] from the least free engine to the
+  freest): computing an eighth of the prompt again costs more than the load between them.
 
 Profiles (``--scheduler``): ``least_load`` (the default), ``round_robin``, ``prefix_affinity``
 (prefix 2, least_load 1), ``session_affinity`` (session 2, least_load 1), ``prefix_cache``
-(prefix_cache 2, least_load 1), or weights spelled out,
+(prefix_cache 8, least_load 1), or weights spelled out,
 ``prefix_affinity=2,least_load=1``. An affinity scorer outweighs ``least_load``, and its bound
 on load keeps it from piling requests on one engine.
 """
@@ -230,16 +232,21 @@ PROFILES: dict[str, str] = {
     "round_robin": "",
     "prefix_affinity": "prefix_affinity=2,least_load=1",
     "session_affinity": "session_affinity=2,least_load=1",
-    "prefix_cache": "prefix_cache=2,least_load=1",
+    "prefix_cache": "prefix_cache=8,least_load=1",
 }
 LOAD_EPSILON = 0.25
-"""Affinity and cache scores count only on engines under ``(1 + LOAD_EPSILON)`` times the mean
-requests (``BoundedRing``'s cap)."""
+"""Cache scores count only on engines under ``(1 + LOAD_EPSILON)`` times the mean requests
+(``BoundedRing``'s cap for affinity) ..."""
+CACHE_SLACK = 2
+"""... or under the mean plus this many: in a small fleet at light load the ratio alone would
+send a prompt away from its cache for one request more (two engines holding 2 and 0), and
+computing the prompt again costs more than joining a batch of a few."""
 
 
-def load_cap(views: Sequence[EngineView], epsilon: float = LOAD_EPSILON) -> int:
-    """Bounded load's cap: an engine at or over it takes no request for affinity's sake."""
-    return math.ceil((1 + epsilon) * (sum(v.held for v in views) + 1) / len(views))
+def load_cap(views: Sequence[EngineView], epsilon: float = LOAD_EPSILON, slack: int = CACHE_SLACK) -> int:
+    """The cache scorer's cap: an engine at or over it takes no request for its cache's sake."""
+    total = sum(v.held for v in views)
+    return max(math.ceil((1 + epsilon) * (total + 1) / len(views)), total // len(views) + slack)
 
 
 @dataclass
