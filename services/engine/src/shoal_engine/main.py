@@ -524,6 +524,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     backend: EngineBackend
     agent: SimKvAgent | None = None
+    # Where vLLM publishes its KV events, for the prefix-cache feed (vLLM backend only).
+    kv_events: tuple[str, str] | None = None
     if config.backend == "sim":
         # The simulated engine is not part of the product: its package is imported only here.
         from shoal_sim.engine import simulated_engine
@@ -534,15 +536,16 @@ def main(argv: list[str] | None = None) -> None:
         from shoal_engine.vllm_backend import VllmBackend
 
         try:
-            backend = VllmBackend(config)
+            vllm = VllmBackend(config)
         except VllmArgsError as exc:
             # vLLM's parser refused --vllm-args: one line, before anything loads.
             print(f"shoal-engine: error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        backend, kv_events = vllm, vllm.kv_events
         # vLLM's processes must not outlive this one, however it ends (see ``reaper``).
         reaper.start()
     try:
-        code = uvloop.run(run(config, backend, getattr(backend, "kv_events", None)))
+        code = uvloop.run(run(config, backend, kv_events))
     finally:
         if agent is not None:
             agent.close()

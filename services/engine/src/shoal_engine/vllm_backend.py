@@ -276,8 +276,12 @@ class VllmBackend:
             endpoint = f"ipc://{self._events_dir}/events"
             kv_events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
             self.kv_events = endpoint, ""
-        # Built here, so flags vLLM refuses stop the engine before anything loads.
-        self._args = build_engine_args(config, kv_events)
+        try:
+            # Built here, so flags vLLM refuses stop the engine before anything loads.
+            self._args = build_engine_args(config, kv_events)
+        except VllmArgsError:
+            self._remove_events_dir()
+            raise
         self._load = BackendLoad()
         self._llm: AsyncLLM | None = None
         # The fast tokenizer's own, for ``OutputText``; None: vLLM detokenizes.
@@ -391,6 +395,9 @@ class VllmBackend:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._remove_events_dir()
+
+    def _remove_events_dir(self) -> None:
         if self._events_dir is not None:
             shutil.rmtree(self._events_dir, ignore_errors=True)
             self._events_dir = None
