@@ -33,7 +33,7 @@ import httpx
 
 from bench import stepfit
 from bench.harness import ROOT, publish, quantile, save_results, say, stamp, table
-from bench.serving import FLEET_PORTS, MODEL_NAME, TOKEN_ID_RANGE, Progress, RequestResult, send_one
+from bench.serving import FLEET_PORTS, MODEL_NAME, TOKEN_ID_RANGE, RequestResult, send_trace
 from shoal_fleet.cpu import cpu_flags, native_dtype
 from shoal_fleet.launcher import Fleet, FleetConfig
 from shoal_sim.workloads import Conversations
@@ -41,8 +41,6 @@ from shoal_sim.workloads import Conversations
 BEGIN, END = "<!-- prefix-real:begin -->", "<!-- prefix-real:end -->"
 POLICIES = ("least_load", "prefix_affinity", "prefix_cache")
 ENGINES = 2
-CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
-"""Idle connections close before the router's server closes them (its 5 s keep-alive)."""
 
 
 def workload(rate: float, duration_s: float, seed: int) -> Conversations:
@@ -82,26 +80,10 @@ def vllm_cache_counters(cfg: FleetConfig) -> tuple[float, float]:
 
 
 async def replay(url: str, trace: Conversations, label: str) -> list[RequestResult]:
-    prompts = prompts_of(trace)
-    draw = trace.draw()
-    progress = Progress(label, len(draw), every=25)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=CLIENT_LIMITS) as client:
-
-        async def one(index: int, at: float, prompt: list[int], output: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, progress.t0 + at - time.perf_counter()))
-            result = await send_one(client, url, prompt, output, index, progress.t0)
-            progress.finished(result)
-            return result
-
-        beat = asyncio.create_task(progress.heartbeat())
-        try:
-            return list(
-                await asyncio.gather(
-                    *(one(i, a, p, o) for i, ((a, _, o), p) in enumerate(zip(draw, prompts, strict=True)))
-                )
-            )
-        finally:
-            beat.cancel()
+    requests = [
+        (at, prompt, output) for (at, _, output), prompt in zip(trace.draw(), prompts_of(trace), strict=True)
+    ]
+    return await send_trace(url, requests, label, every=25)
 
 
 def run_policy(policy: str, trace: Conversations, dtype: str) -> dict[str, Any]:

@@ -78,7 +78,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -330,6 +330,30 @@ class Progress:
             await asyncio.sleep(1.0)
             if time.perf_counter() - self._last_line >= self.heartbeat_s:
                 self._line()
+
+
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+"""Idle connections close on the client's side before the router's server closes them (uvicorn's
+5 s keep-alive): at the same 5 s, a request sent on a connection the server is closing fails
+before it reaches the router."""
+
+
+async def send_trace(
+    url: str, requests: Sequence[tuple[float, list[int], int]], label: str, every: int = 20
+) -> list[RequestResult]:
+    """Each (arrival s, prompt ids, output tokens) sent at its arrival time from now, open loop,
+    streamed and timed; the results by request."""
+    progress = Progress(label, len(requests), every=every)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=CLIENT_LIMITS) as client:
+
+        async def one(index: int, at: float, prompt: list[int], output: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, progress.t0 + at - time.perf_counter()))
+            result = await send_one(client, url, prompt, output, index, progress.t0)
+            progress.finished(result)
+            return result
+
+        work = asyncio.gather(*(one(i, *request) for i, request in enumerate(requests)))
+        return await with_heartbeat(progress, work)
 
 
 async def with_heartbeat(progress: Progress, work: Awaitable[list[RequestResult]]) -> list[RequestResult]:

@@ -60,13 +60,13 @@ from bench.harness import (
     table,
 )
 from bench.serving import (
+    CLIENT_LIMITS,
     FLEET_PORTS,
     MODEL_NAME,
     TOKEN_ID_RANGE,
-    Progress,
     RequestResult,
     completion_body,
-    send_one,
+    send_trace,
     sse_payloads,
 )
 from shoal_fleet.cpu import cpu_flags, native_dtype
@@ -97,10 +97,6 @@ MIGRATION_ARGS = (
 )
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2
 """SmolLM2-135M's KV per token in bf16: 30 layers, 3 KV heads of 64, keys and values."""
-CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
-"""Idle connections close on the client's side before the router's server closes them (uvicorn's
-5 s keep-alive): at the same 5 s, a request sent on a connection the server is closing fails
-before it reaches the router."""
 KV_GBPS = 1.0
 """KV bandwidth between the two CPU engines in the simulated migration arm (loopback, mutual TLS)."""
 MAX_PROMPT = 1536
@@ -126,24 +122,9 @@ async def replay(url: str, trace: Trace, seed: int, label: str) -> list[RequestR
     rng = random.Random(seed + 7)
     low, high = TOKEN_ID_RANGE
     prompts = [[rng.randrange(low, high) for _ in range(p)] for _, p, _ in trace]
-    progress = Progress(label, len(trace), every=20)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=CLIENT_LIMITS) as client:
-
-        async def one(index: int, at: float, prompt: list[int], output: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, progress.t0 + at - time.perf_counter()))
-            result = await send_one(client, url, prompt, output, index, progress.t0)
-            progress.finished(result)
-            return result
-
-        beat = asyncio.create_task(progress.heartbeat())
-        try:
-            return list(
-                await asyncio.gather(
-                    *(one(i, a, p, o) for i, ((a, _, o), p) in enumerate(zip(trace, prompts, strict=True)))
-                )
-            )
-        finally:
-            beat.cancel()
+    return await send_trace(
+        url, [(a, prompt, o) for (a, _, o), prompt in zip(trace, prompts, strict=True)], label
+    )
 
 
 async def _stamps(client: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> list[float]:
