@@ -235,12 +235,12 @@ PROFILES: dict[str, str] = {
     "prefix_cache": "prefix_cache=8,least_load=1",
 }
 LOAD_EPSILON = 0.25
-"""Cache scores count only on engines under ``(1 + LOAD_EPSILON)`` times the mean requests
-(``BoundedRing``'s cap for affinity) ..."""
+"""Cache scores count on engines under ``(1 + LOAD_EPSILON)`` times the mean requests (the cap
+``BoundedRing`` puts on affinity), or under ``CACHE_SLACK`` more than the mean."""
 CACHE_SLACK = 2
-"""... or under the mean plus this many: in a small fleet at light load the ratio alone would
-send a prompt away from its cache for one request more (two engines holding 2 and 0), and
-computing the prompt again costs more than joining a batch of a few."""
+"""In a small fleet at light load the ratio alone sends a prompt away from its cache for one
+request more (two engines holding 2 and 0), where computing the prompt again costs more than
+joining a batch of a few."""
 
 
 def load_cap(views: Sequence[EngineView], epsilon: float = LOAD_EPSILON, slack: int = CACHE_SLACK) -> int:
