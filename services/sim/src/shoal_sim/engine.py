@@ -303,16 +303,14 @@ class SimBatch:
             found += 1
         return found
 
-    def _admit_prefix(self, request: SimRequest) -> None:
-        """A request admitted from the line with nothing computed: what the cache holds of its
-        prompt counts as computed (vLLM recomputes at least the last token), and its prompt's
-        blocks are in use now."""
+    def _admit_prefix(self, request: SimRequest, hit: int) -> None:
+        """A request admitted from the line with nothing computed, ``hit`` tokens of its prompt
+        found cached (``_hit``): those count as computed, and its prompt's blocks are in use now."""
         if not request.prefix:
             return
-        hit = min(self.cached_blocks(request.prefix) * self.config.block_size, request.prompt_len - 1)
         self.cache_queries += request.prompt_len
         self.cache_hits += hit
-        request.cached_tokens = request.computed = max(hit, 0)
+        request.cached_tokens = request.computed = hit
         self._hold_prefix(request)
 
     def _hold_prefix(self, request: SimRequest) -> None:
@@ -434,7 +432,7 @@ class SimBatch:
                 break
             self.waiting.popleft()
             if fresh:
-                self._admit_prefix(request)
+                self._admit_prefix(request, start)
             self.free -= need
             request.blocks += need
             self.running[request] = None
@@ -443,7 +441,8 @@ class SimBatch:
         return scheduled
 
     def _hit(self, request: SimRequest) -> int:
-        """Prompt tokens an admission of ``request`` now would find cached."""
+        """Prompt tokens an admission of ``request`` now would find cached (vLLM computes at
+        least the prompt's last token)."""
         if not request.prefix:
             return 0
         return max(
