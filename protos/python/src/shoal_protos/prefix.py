@@ -111,7 +111,7 @@ class PrefixEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
     seq: int
     """1, 2, 3, ... within the epoch; a gap means events were lost."""
     stored: list[int] = []
-    """Blocks now cached (``chain_hashes``), in order, a parent before its children."""
+    """Blocks now cached (``chain_hashes``)."""
     removed: list[int] = []
     """Blocks evicted (applied after ``cleared``, before ``stored``)."""
     cleared: bool = False

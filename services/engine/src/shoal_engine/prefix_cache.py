@@ -64,9 +64,6 @@ class CachedBlocks:
         self.skipped = 0
         """Blocks left out (see the module docstring)."""
 
-    def __len__(self) -> int:
-        return len(self._shoal)
-
     def apply(self, events: Iterable[KVCacheEvent]) -> None:
         for event in events:
             if isinstance(event, BlockStored):
@@ -143,10 +140,9 @@ class KvEventSubscriber:
         self._blocks = blocks
         self._on_change = on_change
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        # vLLM numbers its batches: a gap means its socket dropped some past its high-water
+        # mark, and the cache's content here may miss blocks until they are stored again.
         self._last_seq: int | None = None
-        self.lost_batches = 0
-        """Batches vLLM published that never arrived (its socket drops past its high-water
-        mark): the cache's content here may then miss blocks until they are stored again."""
 
     async def run_forever(self) -> None:
         while True:
@@ -157,8 +153,6 @@ class KvEventSubscriber:
             _, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big")
             if self._last_seq is not None and seq != self._last_seq + 1:
-                missed = seq - self._last_seq - 1
-                self.lost_batches += max(missed, 0)
                 logger.warning("vLLM KV events %d to %d never arrived", self._last_seq + 1, seq - 1)
             self._last_seq = seq
             try:
