@@ -38,6 +38,7 @@ between ``<!-- prefix:begin -->`` and ``<!-- prefix:end -->`` of ``docs/benchmar
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 import tracemalloc
@@ -116,6 +117,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- the floor -----------------------------------------------------------------------------------
 
 
+@functools.cache
 def ttft_floor(rate: float, duration_s: float, seed: int) -> dict[str, float]:
     """TTFT percentiles no placement can beat: each request alone on an idle engine whose prefix
     cache holds every block any earlier prompt had (a cache that never evicts, shared by all
