@@ -49,6 +49,9 @@ class SendBlocks(_Tagged):
     # A paced send stops between chunks once it has run this long (0: never), and reports how
     # far it got (``SentBlocks.next_block``).
     max_seconds: float = 0.0
+    # With ``partial``: let the request's blocks go once the send is over, sent or not (as a
+    # ``Release`` does), so that the stopped request's hand-over waits for one call, not two.
+    release: bool = False
 
 
 class Connect(_Tagged):
@@ -186,6 +189,10 @@ class StageHeader(_Tagged):
     # Another chunk of the same send follows at once: over a pair group the receiver reads its
     # header and posts its receives before it waits for this chunk's bytes.
     more: bool = False
+    # 0: whole blocks. Otherwise the chunk is one partly filled block (a stopped request's last)
+    # of which only the first ``tokens`` token slots of each KV head travel, per layer
+    # ``heads x tokens x bytes per token slot``: the rest of the block holds nothing yet.
+    tokens: int = 0
 
 
 class PairJoin(_Tagged):

@@ -10,7 +10,8 @@ machine of these steps)::
               its prefix cache before the stop
     stop      at a step boundary, no final piece; vLLM     (EngineService.stop_for_migration,
               keeps the blocks while the agent holds them   KV agent Hold / Release)
-    last      the blocks filled since, the partial one too (SendBlocks partial=True)
+    last      the blocks filled since, the partial one's  (SendBlocks partial=True, then
+              tokens alone; the blocks released after      release=True)
     commit    token state -> target, which admits          (gRPC CommitMigration)
               prompt + outputs so far with the KV loaded
     handover  owner record in Redis (fencing generation),  (hand-over piece to the router)

@@ -309,12 +309,15 @@ class SourceMove:
         return State.LAST_STAGE
 
     async def _last_stage(self) -> State:
-        """Send what is left (the last block partly filled) at once, then release the blocks."""
+        """Send what is left (the last block partly filled) at once; the agent releases the
+        blocks as the send ends, in the same call: with several moves stopped at once, each
+        stalled stream waits for one call of each, not two."""
         sent: kv.AgentReply
-        try:
-            if self._mode == pb.RECOMPUTE:
-                sent = kv.SentBlocks(next_block=0, blocks=0, bytes=0, seconds=0.0, tokens_written=0)
-            else:
+        if self._mode == pb.RECOMPUTE:
+            await self._agent.call(kv.Release(request_id=self._request_id))
+            sent = kv.SentBlocks(next_block=0, blocks=0, bytes=0, seconds=0.0, tokens_written=0)
+        else:
+            try:
                 sent = await self._agent.call(
                     kv.SendBlocks(
                         request_id=self._request_id,
@@ -322,10 +325,13 @@ class SourceMove:
                         target=self._kv_address,
                         first_block=self._next_block,
                         partial=True,
+                        release=True,
                     )
                 )
-        finally:
-            await self._agent.call(kv.Release(request_id=self._request_id))
+            except BaseException:
+                # The agent may not have had the call (a timeout, a cancel): release again.
+                await self._agent.call(kv.Release(request_id=self._request_id))
+                raise
         self._clock.mark("last_stage")
         self.result.kv_tokens = count_stage(self.result, sent).tokens_written
         return State.COMMIT
