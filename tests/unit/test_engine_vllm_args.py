@@ -192,6 +192,8 @@ def test_the_engine_args_carry_shoal_settings(backend: ModuleType) -> None:
     assert (args.revision, args.tokenizer_revision) == ("v2", "v2")
     assert (args.model, args.served_model_name, args.block_size) == ("m", ["served"], 32)
     assert args.kv_transfer_config.kv_connector == "ShoalConnector"
+    # A block the connector could not load is computed again, never a failed request.
+    assert args.kv_transfer_config.kv_load_failure_policy == "recompute"
 
 
 def test_unset_settings_keep_vllm_defaults(backend: ModuleType) -> None:

@@ -246,6 +246,10 @@ def _kv_transfer_config(config: EngineConfig) -> KVTransferConfig | None:
         kv_connector="ShoalConnector",
         kv_role="kv_both",
         kv_connector_module_path="shoal_engine.kv.connector",
+        # Blocks a load could not fill (staging that expired, a prefix-cache block the target
+        # evicted after it said it held it) are computed again, as the connector promises; the
+        # default fails the request instead.
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config=ConnectorSettings(
             control_address=config.kv_agent_address,
             data_address=config.kv_data_bind,
