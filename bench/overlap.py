@@ -87,7 +87,8 @@ def pick_moves(streams: list[Stream], scene: str, moves: int, rng: random.Random
 
 async def scene_once(
     cfg: FleetConfig, args: argparse.Namespace, scene: str, rng: random.Random
-) -> list[dict[str, Any]]:
+) -> list[dict[str, Any]] | None:
+    """One scene's moves, measured; None when a stream ended before all reached the move."""
     stubs = _control_stubs(cfg)
     streams = [Stream(args.prompt_len) for _ in range(args.streams)]
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as client:
@@ -105,9 +106,17 @@ async def scene_once(
         ]
         reading = [asyncio.create_task(read(client, b, s)) for b, s in zip(bodies, streams, strict=True)]
         deadline = time.monotonic() + 300
-        while any(len(s.stamps) < args.move_after for s in streams):
-            if time.monotonic() > deadline or any(t.done() for t in reading):
-                raise RuntimeError("the streams did not all reach the move")
+        while any(not s.upto or s.upto[-1] < args.move_after for s in streams):
+            failed = [t.exception() for t in reading if t.done() and t.exception()]
+            if time.monotonic() > deadline or failed:
+                raise RuntimeError(f"the streams did not all reach the move: {failed}")
+            if any(t.done() for t in reading):
+                # One stream ended before the last began to decode (the engines' prefills of
+                # sixteen prompts at once queue some of them for seconds): no scene to measure.
+                for task in reading:
+                    task.cancel()
+                await asyncio.gather(*reading, return_exceptions=True)
+                return None
             await asyncio.sleep(0.005)
         moves = pick_moves(streams, scene, args.moves, rng)
         called = time.perf_counter()
@@ -273,7 +282,14 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(scene_once(cfg, args, "one", rng))
         for repeat in range(args.repeats):
             for scene in SCENES:
-                got = asyncio.run(scene_once(cfg, args, scene, rng))
+                got = None
+                for _ in range(3):
+                    got = asyncio.run(scene_once(cfg, args, scene, rng))
+                    if got is not None:
+                        break
+                    say(f"    {scene}: a stream ended before all reached the move; again")
+                if got is None:
+                    raise RuntimeError(f"{scene}: three tries, each with a stream ended before the move")
                 rows += got
                 stalls = ", ".join(f"{r['stall_ms']:.0f}" for r in got)
                 say(f"[{repeat + 1}/{args.repeats}] {scene}: {len(got)} moves, stalls {stalls} ms")
