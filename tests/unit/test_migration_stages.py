@@ -358,6 +358,46 @@ def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_
         agent.close()
 
 
+class _Stopped:
+    """A simulated backend with a held request of five full blocks and three tokens more."""
+
+    def __init__(self) -> None:
+        self.staging = SimStaging()
+        self.released: list[str] = []
+
+    def tokens_written(self, request_id: str) -> int:
+        return 5 * BLOCK + 3
+
+    def times_preempted(self, request_id: str) -> int:
+        return 0
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+def test_the_simulated_agent_sends_a_partly_filled_block_as_its_tokens_and_releases() -> None:
+    """As the real agent: the last stage's partly filled block costs its tokens' bytes alone,
+    and ``release`` lets the held request's blocks go with the send."""
+    backend = _Stopped()
+    control, data = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    agent = SimKvAgent(backend, control, data, BLOCK, BYTES_PER_BLOCK, bytes_per_s=1e9)  # type: ignore[arg-type]
+    agent.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.connect(control)
+    try:
+        sock.send(kv.encoder.encode(kv.SendBlocks("r", "m", data, 4, partial=True, release=True)))
+        assert sock.poll(5000), "the simulated agent did not answer"
+        sent = kv.agent_reply_decoder.decode(sock.recv())
+        assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (6, 2)
+        assert sent.bytes == BYTES_PER_BLOCK + 3 * BYTES_PER_BLOCK // BLOCK
+        assert backend.released == ["r"]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        agent.close()
+
+
 def test_the_source_pace_is_the_mean_time_between_the_steps_that_ended_in_a_window() -> None:
     # Steps every 10 ms up to t = 1.0 s, then every 12 ms (a move slowed them by a fifth).
     ends = [i * 0.010 for i in range(101)] + [1.0 + i * 0.012 for i in range(1, 51)]
@@ -403,9 +443,10 @@ class RankedTarget(PlayedTarget):
 async def test_an_engine_of_two_workers_sends_each_shard_to_the_same_rank_on_the_target(
     redis_client: aioredis.Redis, parallel: dict[str, int]
 ) -> None:
-    """Each worker's agent holds one shard of the KV: every send, hold and release goes to
-    every rank, each rank's send to the same rank of the target (its ports two past rank 0's),
-    and the move counts the bytes of both shards. The target learns how the source splits it."""
+    """Each worker's agent holds one shard of the KV: every send and hold goes to every rank
+    (the last stage's send releasing the blocks), each rank's send to the same rank of the
+    target (its ports two past rank 0's), and the move counts the bytes of both shards. The
+    target learns how the source splits it."""
     ranks = [
         PlayedAgent(stages=[_sent(0, 8, 130)], final=_sent(8, 3, 163)),
         PlayedAgent(stages=[_sent(0, 8, 130)], final=_sent(8, 3, 163)),
@@ -419,7 +460,9 @@ async def test_an_engine_of_two_workers_sends_each_shard_to_the_same_rank_on_the
         assert targets == {f"tcp://127.0.0.1:{2 + 2 * rank}"}, (rank, targets)
         assert agent.sends() == [(0, False), (8, True)]
         kinds = [type(c).__name__ for c in agent.commands if isinstance(c, kv.Hold | kv.Release)]
-        assert kinds == ["Hold", "Release"], (rank, kinds)
+        assert kinds == ["Hold"], (rank, kinds)
+        last = [c for c in agent.commands if isinstance(c, kv.SendBlocks) and c.partial]
+        assert [c.release for c in last] == [True], rank
     # Both shards' bytes, each rank's blocks once.
     assert (result.blocks, result.bytes, result.kv_tokens) == (11, 2 * 11 * BYTES_PER_BLOCK, 163)
     (prepare,) = target.prepares

@@ -124,7 +124,11 @@ class SimKvAgent:
 
     def _handle(self, command: kv.AgentCommand) -> kv.AgentReply:
         if isinstance(command, kv.SendBlocks):
-            return self._send_blocks(command)
+            try:
+                return self._send_blocks(command)
+            finally:
+                if command.release:
+                    self._backend.release(command.request_id)
         if isinstance(command, kv.Connect):
             self._peer(command.target)
             return None
@@ -172,6 +176,9 @@ class SimKvAgent:
         if command.max_seconds and rate < self._bytes_per_s:
             count = min(count, max(1, int(command.max_seconds * rate) // self.bytes_per_block))
         nbytes = count * self.bytes_per_block
+        if count and blocks * self.block_size > written and command.first_block + count == blocks:
+            # As the real agent: of a partly filled last block only its tokens go.
+            nbytes -= (blocks * self.block_size - written) * self.bytes_per_block // self.block_size
         if count:
             time.sleep(nbytes / rate)
         if self._backend.times_preempted(command.request_id) != preempted:
