@@ -20,6 +20,7 @@ import openai
 import pytest
 import redis
 
+from shoal_engine.migration.source import TAIL_TOKENS
 from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos.records import Keys, engine_record_decoder, migration_record_decoder
@@ -123,8 +124,9 @@ def test_a_request_moves_with_its_kv_timed_and_its_stream_goes_on(moving_fleet: 
         moving_fleet.redis.get(moving_fleet.keys.migration(result.migration_id))
     )
     assert (record.outcome, record.source, record.target) == ("MIGRATED", source, target)
-    # The KV tokens the target loaded: the context but the last sampled token, at the stop.
-    assert record.kv_tokens == record.total_tokens - 1
+    # The KV tokens the target loaded: the context but the last sampled token, at the stop, less
+    # the few written after the move's tail (the target computes those).
+    assert record.total_tokens - 1 - TAIL_TOKENS <= record.kv_tokens <= record.total_tokens - 1
     # The copies took the time the bytes need at 8 GB/s (the engines run at speed 1).
     assert record.duration_ms >= record.bytes / 8e9 * 1000
     # The target adds the client's gap and its own parts of it, from the commit to the first

@@ -35,32 +35,25 @@ BLOCK = 4
 LAYERS = 3
 BLOCKS = 16
 WIDTH = 8  # bf16 values per block per layer
-HEADS = 2  # KV heads, in caches laid out as vLLM hands them over: [blocks, heads, BLOCK, SLOT]
-SLOT = 6  # bf16 values per token slot of a head (K and V)
 
 
-def _kv(seed: int, heads: int = 0) -> dict[str, torch.Tensor]:
-    """Synthetic KV caches: ``[BLOCKS, WIDTH]`` per layer, or with ``heads``, vLLM's logical
-    ``[blocks, heads, block size, slot]`` view."""
+def _kv(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    shape = (BLOCKS, heads, BLOCK, SLOT) if heads else (BLOCKS, WIDTH)
-    return {f"layer.{i}": torch.randn(*shape, generator=generator).to(torch.bfloat16) for i in range(LAYERS)}
+    return {
+        f"layer.{i}": torch.randn(BLOCKS, WIDTH, generator=generator).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
 
 
 class Pair:
     """Two agents on Unix sockets; ``transport`` ``tls`` is ``tcp`` over the fleet's mutual TLS."""
 
     def __init__(
-        self,
-        folder: Path,
-        transport: str = "tcp",
-        chunk_bytes: int = 8 << 20,
-        idle_timeout_s: float = 300.0,
-        heads: int = 0,
+        self, folder: Path, transport: str = "tcp", chunk_bytes: int = 8 << 20, idle_timeout_s: float = 300.0
     ) -> None:
         fleet_tls = tls.write(folder / "tls") if transport == "tls" else None
         transport = "tcp" if transport == "tls" else transport
-        self.source_kv, self.target_kv = _kv(1, heads), _kv(2, heads)
+        self.source_kv, self.target_kv = _kv(1), _kv(2)
         self.addresses = {name: f"ipc://{folder}/{name}" for name in ("sc", "sd", "tc", "td")}
         self.source, self.target = (
             KvAgent(
@@ -245,57 +238,26 @@ def test_partial_block_goes_only_for_a_held_request(pair: Pair) -> None:
     assert pair.source.finished_sending([]) == {"r-vllm"}
 
 
-@pytest.mark.parametrize("transport", ["tcp", "gloo", "tls"])
-def test_a_partly_filled_last_block_sends_its_tokens_alone(tmp_path: Path, transport: str) -> None:
-    """With the KV laid out as vLLM's ``[blocks, heads, block size, slot]``, the stopped
-    request's last block goes as the first tokens of each head only, and the commit's load
-    writes exactly those slots; the agent lets the blocks go in the same call (``release``)."""
-    pair = Pair(tmp_path, transport, heads=HEADS)
-    try:
-        _run(pair.source, "r", [9, 3, 4], tokens=2 * BLOCK + 3)
-        full = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0))
-        assert isinstance(full, kv.SentBlocks) and full.blocks == 2
-        assert full.bytes == 2 * LAYERS * HEADS * BLOCK * SLOT * 2
-        assert pair.call("source", kv.Hold("r")) is None
-        pair.source.update_tables([], ["r"], kept=["r-vllm"])  # vLLM took the stop in
-        last = pair.call(
-            "source", kv.SendBlocks("r", "m", pair.addresses["td"], 2, partial=True, release=True)
-        )
-        assert isinstance(last, kv.SentBlocks) and (last.next_block, last.blocks) == (3, 1)
-        # Three of the block's four token slots, in each head of each layer.
-        assert last.bytes == LAYERS * HEADS * 3 * SLOT * 2
-        assert pair.source.finished_sending([]) == {"r-vllm"}  # released with the send
-        before = {name: tensor.clone() for name, tensor in pair.target_kv.items()}
-        assert pair.target.inject(Load("r", "m", 0, [1, 2, 14])) == 3
-        for name, source in pair.source_kv.items():
-            target = pair.target_kv[name]
-            assert torch.equal(target[[1, 2]], source[[9, 3]])
-            assert torch.equal(target[14, :, :3], source[4, :, :3])
-            # The slots no token has reached are left as they were.
-            assert torch.equal(target[14, :, 3:], before[name][14, :, 3:])
-        assert pair.target.take_load_errors() == set()
-    finally:
-        pair.close()
-
-
-def test_a_partly_filled_block_reads_back_whole_from_staging(tmp_path: Path) -> None:
-    """``ReadStaged`` shows a partly filled block as a whole one, its empty slots zero."""
-    pair = Pair(tmp_path, heads=HEADS)
-    try:
-        _run(pair.source, "r", [5], tokens=1)
-        assert pair.call("source", kv.Hold("r")) is None
-        sent = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 0, partial=True))
-        assert isinstance(sent, kv.SentBlocks) and sent.bytes == LAYERS * HEADS * SLOT * 2
-        staged = pair.call("target", kv.ReadStaged("m"))
-        assert isinstance(staged, kv.BlockBytes) and staged.num_blocks == 1
-        block = torch.frombuffer(bytearray(staged.data), dtype=torch.bfloat16).view(
-            LAYERS, HEADS, BLOCK, SLOT
-        )
-        for i, source in enumerate(pair.source_kv.values()):
-            assert torch.equal(block[i, :, :1], source[5, :, :1])
-            assert not block[i, :, 1:].any()
-    finally:
-        pair.close()
+def test_a_running_request_sends_its_last_block_as_far_as_it_is_written(pair: Pair) -> None:
+    """A move's tail: the partly filled block goes while the request still runs (not held),
+    with the tokens written so far; a later send with ``release`` lets the held blocks go."""
+    _run(pair.source, "r", [1, 2], tokens=BLOCK + 2)
+    tail = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1, partial=True, running=True))
+    assert isinstance(tail, kv.SentBlocks) and (tail.next_block, tail.blocks, tail.tokens_written) == (
+        2,
+        1,
+        BLOCK + 2,
+    )
+    staged = pair.call("target", kv.ReadStaged("m"))
+    source = pair.call("source", kv.ReadBlocks("r", 1, 1))
+    assert isinstance(staged, kv.BlockBytes) and isinstance(source, kv.BlockBytes)
+    assert (staged.first_block, staged.data) == (1, source.data)
+    # Stopped and held, its last send lets the blocks go as it ends.
+    assert pair.call("source", kv.Hold("r")) is None
+    pair.source.update_tables([], ["r"], kept=["r-vllm"])
+    last = pair.call("source", kv.SendBlocks("r", "m", pair.addresses["td"], 1, partial=True, release=True))
+    assert isinstance(last, kv.SentBlocks) and last.blocks == 1
+    assert pair.source.finished_sending([]) == {"r-vllm"}
 
 
 def test_a_held_request_that_finished_on_its_own_releases_nothing(pair: Pair) -> None:

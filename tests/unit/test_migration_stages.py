@@ -28,6 +28,7 @@ from shoal_engine.migration import (
     mean_step_ms,
     target_phases_ms,
 )
+from shoal_engine.migration.source import TAIL_TOKENS
 from shoal_engine.migration.workers import WorkerAgents
 from shoal_engine.serving import StoppedRequest
 from shoal_protos import engine_control_pb2 as pb
@@ -53,11 +54,13 @@ STEP_S = 0.0001  # the played source's forward passes end this often
 @dataclass
 class PlayedAgent:
     """The source's KV agent: answers each ``SendBlocks`` from ``stages`` (in order, then the
-    final send after the stop), and keeps every command it got."""
+    final send after the stop; the tail's, while the request runs, with ``tail``: by default it
+    had nothing to send), and keeps every command it got."""
 
     stages: list[kv.SentBlocks]
     final: kv.SentBlocks
     commands: list[kv.AgentCommand] = field(default_factory=list)
+    tail: kv.SentBlocks | None = None
 
     async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
         self.commands.append(command)
@@ -68,6 +71,8 @@ class PlayedAgent:
             count = int((time.monotonic() - command.since) / STEP_S)
             return kv.steps_since([command.since + i * STEP_S for i in range(count + 1)], command.since)
         if isinstance(command, kv.SendBlocks):
+            if command.running:
+                return self.tail or kv.SentBlocks(command.first_block, 0, 0, 0.0, 0)
             return self.final if command.partial else self.stages.pop(0)
         return None
 
@@ -75,7 +80,16 @@ class PlayedAgent:
         pass
 
     def sends(self) -> list[tuple[int, bool]]:
-        return [(c.first_block, c.partial) for c in self.commands if isinstance(c, kv.SendBlocks)]
+        """(first block, partial) of each send but the tail's."""
+        return [
+            (c.first_block, c.partial)
+            for c in self.commands
+            if isinstance(c, kv.SendBlocks) and not c.running
+        ]
+
+    def tails(self) -> list[int]:
+        """The first block of each tail send (the partly filled block, the request running)."""
+        return [c.first_block for c in self.commands if isinstance(c, kv.SendBlocks) and c.running]
 
 
 @dataclass
@@ -241,12 +255,14 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
     result = await _move(redis_client, agent, service, target, metrics)
     assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result.detail
     assert agent.sends() == [(0, False), (4, False), (4, False), (10, True)]
-    assert (result.stages, result.blocks, result.kv_tokens) == (4, 11, written)
+    # The tail (sent nothing here: the played agent had no partly filled block) is a stage too.
+    assert agent.tails() == [10]
+    assert (result.stages, result.blocks, result.kv_tokens) == (5, 11, written)
     labels = {"engine": "source", "model": "m"}
     assert metrics.registry.get_sample_value("shoal_engine_migration_stages_lost_total", labels) == 1
     # Each part of the move timed once, within the move's whole time (no warm-up: the
     # simulated backend has no prefix cache to warm).
-    phases = ["prepare", "precopy", "stop", "last_stage", "commit", "handover"]
+    phases = ["prepare", "precopy", "tail", "stop", "last_stage", "commit", "handover"]
     assert set(result.phase_ms) == set(phases)
     assert all(ms >= 0 for ms in result.phase_ms.values())
     assert sum(result.phase_ms.values()) <= result.duration_ms
@@ -264,6 +280,36 @@ async def test_a_stage_the_request_was_preempted_during_is_sent_again_from_the_s
     assert len(target.commits) == 1 and target.commits[0].kv_tokens == written
     owner = owner_record_decoder.decode(await redis_client.get(Keys("stages").owner("r1")))
     assert (owner.engine_id, owner.generation) == ("target", 1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("since", [1, 15, 16])
+async def test_the_tail_spares_the_last_stage_when_few_tokens_came_after_it(
+    redis_client: aioredis.Redis, since: int
+) -> None:
+    """The tail sends the partly filled last block while the request decodes. Stopped with the
+    tokens written since still in that block (and at most ``TAIL_TOKENS`` of them), the move
+    sends nothing more: the commit loads what the tail sent and the target computes the rest.
+    Once they spill into the next block (16 here), the last stage sends from the partly filled
+    block on, as without a tail."""
+    service = PlayedService("r4", outputs=list(range(7, 7 + since + 2)))
+    written = len(PROMPT) + len(service.outputs) - 1  # at the stop: all but the last sampled
+    agent = PlayedAgent(
+        stages=[_sent(0, 10, len(PROMPT))],
+        final=_sent(10, 1, written),
+        tail=_sent(10, 1, written - since),
+    )
+    target = PlayedTarget()
+    result = await _move(redis_client, agent, service, target)
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result.detail
+    assert agent.tails() == [10]
+    if written <= 11 * BLOCK and since <= TAIL_TOKENS:
+        assert agent.sends() == [(0, False)]
+        assert result.kv_tokens == target.commits[0].kv_tokens == written - since
+        assert [type(c).__name__ for c in agent.commands if isinstance(c, kv.Release)] == ["Release"]
+    else:
+        assert agent.sends() == [(0, False), (10, True)]
+        assert result.kv_tokens == target.commits[0].kv_tokens == written
 
 
 @pytest.mark.asyncio
@@ -292,7 +338,7 @@ async def test_a_send_after_the_stop_that_loses_its_blocks_leaves_the_request_on
     class LosingAgent(PlayedAgent):
         async def call(self, command: kv.AgentCommand) -> kv.AgentReply:
             reply = await super().call(command)
-            if isinstance(command, kv.SendBlocks) and command.partial:
+            if isinstance(command, kv.SendBlocks) and command.partial and not command.running:
                 raise MigrationError("KV agent: request r3 lost its blocks while they were sent")
             return reply
 
@@ -375,9 +421,8 @@ class _Stopped:
         self.released.append(request_id)
 
 
-def test_the_simulated_agent_sends_a_partly_filled_block_as_its_tokens_and_releases() -> None:
-    """As the real agent: the last stage's partly filled block costs its tokens' bytes alone,
-    and ``release`` lets the held request's blocks go with the send."""
+def test_the_simulated_agent_lets_a_held_request_go_with_its_last_send() -> None:
+    """As the real agent: ``release`` lets the held request's blocks go with the send."""
     backend = _Stopped()
     control, data = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     agent = SimKvAgent(backend, control, data, BLOCK, BYTES_PER_BLOCK, bytes_per_s=1e9)  # type: ignore[arg-type]
@@ -390,7 +435,7 @@ def test_the_simulated_agent_sends_a_partly_filled_block_as_its_tokens_and_relea
         assert sock.poll(5000), "the simulated agent did not answer"
         sent = kv.agent_reply_decoder.decode(sock.recv())
         assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (6, 2)
-        assert sent.bytes == BYTES_PER_BLOCK + 3 * BYTES_PER_BLOCK // BLOCK
+        assert sent.bytes == 2 * BYTES_PER_BLOCK
         assert backend.released == ["r"]
     finally:
         sock.close(linger=0)
@@ -461,7 +506,7 @@ async def test_an_engine_of_two_workers_sends_each_shard_to_the_same_rank_on_the
         assert agent.sends() == [(0, False), (8, True)]
         kinds = [type(c).__name__ for c in agent.commands if isinstance(c, kv.Hold | kv.Release)]
         assert kinds == ["Hold"], (rank, kinds)
-        last = [c for c in agent.commands if isinstance(c, kv.SendBlocks) and c.partial]
+        last = [c for c in agent.commands if isinstance(c, kv.SendBlocks) and c.partial and not c.running]
         assert [c.release for c in last] == [True], rank
     # Both shards' bytes, each rank's blocks once.
     assert (result.blocks, result.bytes, result.kv_tokens) == (11, 2 * 11 * BYTES_PER_BLOCK, 163)

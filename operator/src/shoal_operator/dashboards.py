@@ -280,7 +280,7 @@ MIGRATIONS = Dashboard(
         ),
         Panel(
             "Time per part of a move",
-            "Wall time of each part of a move on its source (prepare, precopy, warm, stop, "
+            "Wall time of each part of a move on its source (prepare, precopy, warm, tail, stop, "
             "last_stage, commit, handover) and of the hand-over on its target (admit, queue, "
             "first_step, output), p50 and p99: where a slow move spends it.",
             _quantiles("shoal_engine_migration_phase_seconds", selector="", by="phase"),

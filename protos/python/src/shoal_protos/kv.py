@@ -32,8 +32,9 @@ class SendBlocks(_Tagged):
     """Send blocks ``[first_block, ...)`` of a request to ``target`` (an agent's data address)
     into staging area ``migration_id``: the blocks full when the call runs (they never change
     again, so they go while the request decodes), and with ``partial`` its last, partly
-    filled block too (only for a request stopped and held: the step vLLM may still run for it
-    writes past the tokens sent). A send during which vLLM preempted the request fails."""
+    filled block too (for a request stopped and held, or one still ``running``: the steps vLLM
+    runs after the send write past the tokens sent). A send during which vLLM preempted the
+    request fails."""
 
     request_id: str
     migration_id: str
@@ -52,6 +53,10 @@ class SendBlocks(_Tagged):
     # With ``partial``: let the request's blocks go once the send is over, sent or not (as a
     # ``Release`` does), so that the stopped request's hand-over waits for one call, not two.
     release: bool = False
+    # With ``partial``, for a request that still runs: its last block goes as far as it is
+    # written now (``SentBlocks.tokens_written``); the steps after write past that, and the
+    # target computes those few tokens itself instead of waiting for the block again.
+    running: bool = False
 
 
 class Connect(_Tagged):
@@ -189,10 +194,6 @@ class StageHeader(_Tagged):
     # Another chunk of the same send follows at once: over a pair group the receiver reads its
     # header and posts its receives before it waits for this chunk's bytes.
     more: bool = False
-    # 0: whole blocks. Otherwise the chunk is one partly filled block (a stopped request's last)
-    # of which only the first ``tokens`` token slots of each KV head travel, per layer
-    # ``heads x tokens x bytes per token slot``: the rest of the block holds nothing yet.
-    tokens: int = 0
 
 
 class PairJoin(_Tagged):

@@ -100,7 +100,7 @@ class OwnerRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     router: str = ""
 
 
-MIGRATION_PHASES = ("prepare", "precopy", "warm", "stop", "last_stage", "commit", "handover")
+MIGRATION_PHASES = ("prepare", "precopy", "warm", "tail", "stop", "last_stage", "commit", "handover")
 """The parts of a move its source times (``MigrationRecord.phase_ms``), in the order they run."""
 
 TARGET_PHASES = ("admit", "queue", "first_step", "output")

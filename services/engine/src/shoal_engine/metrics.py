@@ -102,7 +102,7 @@ class EngineMetrics:
 
         self._migration_phase = Histogram(
             "shoal_engine_migration_phase_seconds",
-            "Wall time of each part of a move: on its source prepare, precopy, warm, stop, "
+            "Wall time of each part of a move: on its source prepare, precopy, warm, tail, stop, "
             "last_stage, commit, handover; on its target admit, queue, first_step, output (the "
             "hand-over, from the commit to the moved request's first token there).",
             [*_LABELS, "phase"],

@@ -176,9 +176,6 @@ class SimKvAgent:
         if command.max_seconds and rate < self._bytes_per_s:
             count = min(count, max(1, int(command.max_seconds * rate) // self.bytes_per_block))
         nbytes = count * self.bytes_per_block
-        if count and blocks * self.block_size > written and command.first_block + count == blocks:
-            # As the real agent: of a partly filled last block only its tokens go.
-            nbytes -= (blocks * self.block_size - written) * self.bytes_per_block // self.block_size
         if count:
             time.sleep(nbytes / rate)
         if self._backend.times_preempted(command.request_id) != preempted:

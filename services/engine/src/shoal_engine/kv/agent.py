@@ -35,8 +35,8 @@ import msgspec
 import torch
 import zmq
 
-from shoal_engine.kv.data_server import DATA_IDLE_S, Chunk, DataServer, Staged
-from shoal_engine.kv.transport import KvTransport, TokenSlots, Transport, host_of, runs, token_slots
+from shoal_engine.kv.data_server import DATA_IDLE_S, DataServer, Staged
+from shoal_engine.kv.transport import KvTransport, Transport, host_of, runs
 from shoal_protos import kv
 from shoal_protos.addresses import zmq_bind
 from shoal_protos.tls import FleetTls
@@ -103,7 +103,6 @@ class KvAgent:
         self.block_size = block_size
         self._debug_reads = debug_reads
         self._layers = _kv_layers(kv_caches, num_blocks)
-        self._slots = _token_slots(kv_caches, num_blocks, block_size)
         self.num_layers = len(self._layers)
         self.bytes_per_layer_block = self._layers[0].shape[1]
         self.bytes_per_block = self.num_layers * self.bytes_per_layer_block
@@ -145,7 +144,6 @@ class KvAgent:
             idle_timeout_s,
             max_pairs,
             tls.server_context() if tls is not None else None,
-            self._slots,
         )
         self._threads = self._start(control_address, data_address, transport)
 
@@ -251,15 +249,10 @@ class KvAgent:
         wanted = range(load.first_block, load.first_block + len(load.block_ids))
         done: set[int] = set()
         if staged is not None:
-            for first, chunk in sorted(staged.chunks.items()):
-                picks = [b for b in range(first, first + chunk.blocks) if b in wanted and b not in done]
+            for first, (count, data) in sorted(staged.chunks.items()):
+                picks = [b for b in range(first, first + count) if b in wanted and b not in done]
                 if not picks:
                     continue
-                if chunk.tokens:
-                    self._inject_tokens(chunk, load.block_ids[first - load.first_block])
-                    done.add(first)
-                    continue
-                data = chunk.layers
                 # Plain slice copies over runs where both sides' blocks are consecutive (vLLM
                 # mostly hands out runs): several times faster than index_select + index_copy_.
                 for src, dst, n in runs([(b - first, load.block_ids[b - load.first_block]) for b in picks]):
@@ -268,26 +261,6 @@ class KvAgent:
                 done.update(picks)
         missing = [load.block_ids[b - load.first_block] for b in wanted if b not in done]
         return len(done), missing
-
-    def _inject_tokens(self, chunk: Chunk, block_id: int) -> None:
-        """Copy a partly filled block's tokens into their slots of block ``block_id``."""
-        assert self._slots is not None, "a partly filled chunk is staged only where slots are known"
-        for tensor, staged_layer in zip(self._layers, chunk.layers, strict=True):
-            self._slots.piece(tensor, block_id, chunk.tokens).copy_(
-                staged_layer.view(self._slots.heads, chunk.tokens, -1)
-            )
-
-    def _whole(self, chunk: Chunk) -> list[torch.Tensor]:
-        """A staged chunk's layers as whole blocks (a partly filled block's empty slots zero)."""
-        if not chunk.tokens:
-            return chunk.layers
-        assert self._slots is not None
-        blocks = [torch.zeros_like(layer[:1]) for layer in self._layers]
-        for block, staged_layer in zip(blocks, chunk.layers, strict=True):
-            self._slots.piece(block, 0, chunk.tokens).copy_(
-                staged_layer.view(self._slots.heads, chunk.tokens, -1)
-            )
-        return blocks
 
     def finished_sending(self, delayed: list[str]) -> set[str]:
         """vLLM ids whose blocks vLLM may free now: of the requests it finished with their
@@ -396,7 +369,7 @@ class KvAgent:
             if not chunks:
                 return kv.AgentError(message=f"nothing staged for {command.migration_id}")
             first = chunks[0][0]
-            data = torch.cat([torch.stack(self._whole(chunk), dim=1) for _, chunk in chunks])
+            data = torch.cat([torch.stack(layers, dim=1) for _, (_, layers) in chunks])
             return kv.BlockBytes(first_block=first, num_blocks=data.shape[0], data=_host_bytes(data))
         self._data.expire()
         with self._lock:
@@ -413,7 +386,7 @@ class KvAgent:
     def _send_blocks(self, command: kv.SendBlocks) -> kv.AgentReply:
         started = time.perf_counter()
         with self._lock:
-            if command.partial and command.request_id not in self._holds:
+            if command.partial and not command.running and command.request_id not in self._holds:
                 return kv.AgentError(
                     message=f"request {command.request_id} is not held: its last block is still written"
                 )
@@ -430,13 +403,11 @@ class KvAgent:
             blocks = -(-written // self.block_size) if command.partial else written // self.block_size
             last = min(blocks, len(table.block_ids), command.first_block + command.max_blocks)
             ids = table.block_ids[command.first_block : last]
-            # The last block partly filled: only its tokens go, where the layout says where.
-            tail = written % self.block_size if last * self.block_size > written else 0
         if not ids:
             return kv.SentBlocks(
                 next_block=command.first_block, blocks=0, bytes=0, seconds=0.0, tokens_written=written
             )
-        sent, count = self._paced_send(command, ids, tail)
+        sent, count = self._paced_send(command, ids)
         with self._lock:
             if self._tables.get(command.request_id) is not table or table.epoch != epoch:
                 return kv.lost_send(command, sent, time.perf_counter() - started)
@@ -448,12 +419,11 @@ class KvAgent:
             tokens_written=written,
         )
 
-    def _paced_send(self, command: kv.SendBlocks, ids: list[int], tail: int = 0) -> tuple[int, int]:
+    def _paced_send(self, command: kv.SendBlocks, ids: list[int]) -> tuple[int, int]:
         """Send ``ids`` in one transport call, or, paced, chunk by chunk: after each chunk, wait
         until the bytes sent fit ``max_bytes_per_s`` and the time spent sending fits
         ``max_busy_share`` of the time since the first chunk began; stop between chunks once
-        ``max_seconds`` have passed. ``tail``: the tokens of the last of ``ids``, partly filled
-        (0: it is full). Returns the bytes sent and how many of ``ids`` went."""
+        ``max_seconds`` have passed. Returns the bytes sent and how many of ``ids`` went."""
         pace, share = command.max_bytes_per_s, command.max_busy_share
         step = self._chunk_blocks if pace or share else max(1, len(ids))
         started, sent, busy = time.monotonic(), 0, 0.0
@@ -467,8 +437,6 @@ class KvAgent:
                 command.first_block + at,
                 ids[at : at + step],
                 self._layers,
-                tail if at + step >= len(ids) else 0,
-                self._slots,
             )
             busy += time.monotonic() - began
             if at + step < len(ids):  # no wait after the last chunk
@@ -492,17 +460,6 @@ def _kv_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torc
     if len(shapes) != 1:
         raise ValueError(f"KV layers differ in shape ({shapes}); migration needs one layout")
     return layers
-
-
-def _token_slots(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int) -> TokenSlots | None:
-    """How every layer's blocks hold their tokens, when all layers say alike; None otherwise."""
-    found = {
-        token_slots(tensor.movedim(dims[0], 0), num_blocks, block_size)
-        for tensor in kv_caches.values()
-        for dims in [[d for d, size in enumerate(tensor.shape) if size == num_blocks]]
-        if dims
-    }
-    return found.pop() if len(found) == 1 else None
 
 
 def _blocks_first(name: str, tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:

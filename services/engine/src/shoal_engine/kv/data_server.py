@@ -21,13 +21,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import msgspec
 import torch
 
 from shoal_engine.kv.staging import StagingArena
-from shoal_engine.kv.transport import Receiver, TokenSlots, listen, read_message, write_message
+from shoal_engine.kv.transport import Receiver, listen, read_message, write_message
 from shoal_protos import kv
 
 logger = logging.getLogger(__name__)
@@ -46,23 +45,13 @@ DATA_IDLE_S = 300.0
 for its next move): connections do not pile up from engines that left."""
 
 
-class Chunk(NamedTuple):
-    """A received chunk: ``blocks`` blocks, per layer a uint8 tensor ``[blocks, bytes per layer
-    block]``; or, with ``tokens``, one partly filled block whose first ``tokens`` token slots of
-    each head came (per layer ``heads x tokens x bytes per slot``, flat)."""
-
-    blocks: int
-    layers: list[torch.Tensor]
-    tokens: int = 0
-
-
 @dataclass(slots=True)
 class Staged:
     """A migration's staging area: the chunks received so far."""
 
     created: float
-    # first block index -> the chunk that starts there
-    chunks: dict[int, Chunk] = field(default_factory=dict)
+    # first block index -> (number of blocks, per layer a uint8 tensor [blocks, bytes_per_layer_block])
+    chunks: dict[int, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     nbytes: int = 0
     # Runs of the staging arena the chunks occupy: (first slot, slots).
     runs: list[tuple[int, int]] = field(default_factory=list)
@@ -96,15 +85,12 @@ class DataServer:
         idle_timeout_s: float,
         max_pairs: int,
         tls: ssl.SSLContext | None,
-        slots: TokenSlots | None = None,
     ) -> None:
-        """``layers``: the KV cache, per layer ``[blocks, bytes]``; ``slots``: how a block
-        holds its tokens, where partly filled blocks may come as their tokens alone (None: they
-        come whole); ``lock`` guards the staging areas and connections (the agent's lock);
-        ``stop`` ends the threads; ``host``: where sources reach this agent, for the rendezvous
-        of ``gloo`` and ``nccl`` pairs; ``tls``: the server side of the fleet's TLS, None: plain."""
+        """``layers``: the KV cache, per layer ``[blocks, bytes]``; ``lock`` guards the staging
+        areas and connections (the agent's lock); ``stop`` ends the threads; ``host``: where
+        sources reach this agent, for the rendezvous of ``gloo`` and ``nccl`` pairs; ``tls``: the
+        server side of the fleet's TLS, None: plain."""
         self._layers = layers
-        self.slots = slots
         self._lock = lock
         self._stop = stop
         self._host = host
@@ -260,8 +246,12 @@ class DataServer:
         the connection is still in step (it is not once a chunk's bytes could not be read). A
         chunk whose receive failed stays in ``arriving``: some of its receives may be posted, and
         its arena run is given back once the group is gone."""
-        error = self._unfit(header)
-        if error:
+        if header.bytes_per_block != self.bytes_per_block or not 0 < header.num_blocks <= _MAX_CHUNK_BLOCKS:
+            error = (
+                f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here"
+                if header.bytes_per_block != self.bytes_per_block
+                else f"a chunk of {header.num_blocks} blocks"
+            )
             return kv.StageAck(migration_id=header.migration_id, staged_blocks=0, error=error), False
         # Into the arena when it has room; otherwise into fresh memory, on the host only: a GPU
         # engine's staging is the arena alone, which its GPU budget counts.
@@ -277,10 +267,6 @@ class DataServer:
             into = [
                 torch.empty(shape, dtype=torch.uint8, device=self._layers[0].device) for _ in self._layers
             ]
-        if header.tokens:  # the front of the block's slot: the heads' runs, back to back
-            assert self.slots is not None
-            size = self.slots.nbytes(self.bytes_per_layer_block, header.tokens)
-            into = [tensor.view(-1)[:size] for tensor in into]
         chunk = _Arriving(header, slot, into)
         arriving.append(chunk)
         try:
@@ -291,22 +277,6 @@ class DataServer:
             return None
         arriving.pop()  # in already
         return self._staged(header, slot, into)
-
-    def _unfit(self, header: kv.StageHeader) -> str:
-        """Why a chunk cannot be staged here ("" if it can)."""
-        if header.bytes_per_block != self.bytes_per_block:
-            return (
-                f"layout mismatch: {header.bytes_per_block} bytes per block sent, {self.bytes_per_block} here"
-            )
-        if not 0 < header.num_blocks <= _MAX_CHUNK_BLOCKS:
-            return f"a chunk of {header.num_blocks} blocks"
-        if header.tokens and (
-            self.slots is None or header.num_blocks != 1 or not 0 < header.tokens < self.slots.block_size
-        ):
-            return (
-                f"a partly filled chunk ({header.num_blocks} blocks, {header.tokens} tokens) cannot land here"
-            )
-        return ""
 
     def _finish_stage(self, arriving: deque[_Arriving]) -> tuple[kv.StageAck, bool]:
         """Wait for the oldest arriving chunk's bytes and stage it; the ack, and whether the
@@ -329,11 +299,11 @@ class DataServer:
             cancelled = header.migration_id in self._freed
             if not cancelled:
                 staged = self.staging.setdefault(header.migration_id, Staged(time.monotonic()))
-                staged.chunks[header.first_block] = Chunk(count, into, header.tokens)
+                staged.chunks[header.first_block] = (count, into)
                 staged.nbytes += count * self.bytes_per_block
                 if slot is not None:
                     staged.runs.append((slot, count))
-                total = sum(chunk.blocks for chunk in staged.chunks.values())
+                total = sum(n for n, _ in staged.chunks.values())
         if cancelled:
             if slot is not None:
                 self.arena.give_back(slot, count)

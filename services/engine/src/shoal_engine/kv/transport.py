@@ -44,7 +44,6 @@ import ssl
 import struct
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -67,36 +66,6 @@ class TransportError(Exception):
     """A transfer failed or timed out; the migration it served is abandoned."""
 
 
-@dataclass(frozen=True, slots=True)
-class TokenSlots:
-    """How one layer's block holds its tokens, where the agent can tell: ``heads`` rows of
-    ``block_size`` token slots each (vLLM's ``LBHNC`` interior, ``[H, N, C]``), so that the
-    first tokens of a partly filled block are one run per head. A stopped request's last block
-    then goes as those runs alone instead of the whole block."""
-
-    heads: int
-    block_size: int
-
-    def piece(self, layer: torch.Tensor, block_id: int, tokens: int) -> torch.Tensor:
-        """The first ``tokens`` slots of each head of block ``block_id`` of ``layer``
-        (``[blocks, bytes]``): ``[heads, tokens, bytes per slot]``, one contiguous run per head."""
-        return layer[block_id].view(self.heads, self.block_size, -1)[:, :tokens]
-
-    def nbytes(self, layer_block_bytes: int, tokens: int) -> int:
-        """Bytes of one layer's ``piece`` of ``tokens`` slots."""
-        return layer_block_bytes // self.block_size * tokens
-
-
-def token_slots(tensor: torch.Tensor, num_blocks: int, block_size: int) -> TokenSlots | None:
-    """The token slots of a layer's KV cache (vLLM's logical ``[blocks, H, N, C]`` view, laid out
-    as it reads), or None where its shape says otherwise (then blocks travel whole)."""
-    if tensor.dim() != 4 or tensor.shape[0] != num_blocks or tensor.shape[2] != block_size:
-        return None
-    if not tensor.is_contiguous():
-        return None
-    return TokenSlots(heads=tensor.shape[1], block_size=block_size)
-
-
 class KvTransport(Protocol):
     def connect(self, target: str) -> None:
         """Open the connection to ``target`` ahead of the first migration to it (a warm-up)."""
@@ -109,13 +78,10 @@ class KvTransport(Protocol):
         first_block: int,
         block_ids: list[int],
         layers: list[torch.Tensor],
-        tail_tokens: int = 0,
-        slots: TokenSlots | None = None,
     ) -> int:
         """Deliver blocks ``block_ids`` (block indices ``first_block...`` of the request) of
         every layer in ``layers`` (each ``[num_blocks, bytes per layer block]`` uint8) into
-        ``target``'s staging area ``migration_id``; returns the bytes sent. ``tail_tokens``
-        (with ``slots``): the last block holds only that many tokens, and only they go."""
+        ``target``'s staging area ``migration_id``; returns the bytes sent."""
         ...
 
     def close(self) -> None: ...
@@ -232,12 +198,6 @@ def read_message(sock: socket.socket) -> bytes:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return tensor.numpy().data.cast("B")
-
-
-def _runs_of(piece: torch.Tensor) -> list[memoryview]:
-    """A chunk's piece of one layer as buffers to write: the piece itself, or, for a partly
-    filled block (``TokenSlots.piece``), its run of each head."""
-    return [_bytes_of(piece)] if piece.is_contiguous() else [_bytes_of(run) for run in piece]
 
 
 def _process_group(
@@ -401,25 +361,18 @@ class Transport:
         first_block: int,
         block_ids: list[int],
         layers: list[torch.Tensor],
-        tail_tokens: int = 0,
-        slots: TokenSlots | None = None,
     ) -> int:
         self.connect(target)
         sock = self._connections[target]
         if target in self._groups:  # the most recently used, last
             self._groups[target] = self._groups.pop(target)
         per_block = len(layers) * layers[0].shape[1]
-        tail = tail_tokens if slots is not None and block_ids else 0
         sent = messages = 0
         works: list[dist.Work] = []
-        gathered: list[torch.Tensor] = []
         try:
             limit = max(1, self._chunk_bytes // per_block)
-            whole = block_ids[:-1] if tail else block_ids
-            chunks = [(index, start, count, 0) for index, start, count in runs(list(enumerate(whole)), limit)]
-            if tail:
-                chunks.append((len(block_ids) - 1, block_ids[-1], 1, tail))
-            for at, (index, start, count, tokens) in enumerate(chunks):
+            chunks = runs(list(enumerate(block_ids)), limit)
+            for at, (index, start, count) in enumerate(chunks):
                 header = kv.StageHeader(
                     migration_id=migration_id,
                     first_block=first_block + index,
@@ -427,26 +380,18 @@ class Transport:
                     bytes_per_block=per_block,
                     via="" if self._backend == "tcp" else self._backend,
                     more=at + 1 < len(chunks),
-                    tokens=tokens,
                 )
                 write_message(sock, header)
-                pieces = [
-                    slots.piece(layer, start, tokens) if tokens and slots else layer[start : start + count]
-                    for layer in layers
-                ]
-                sent += sum(piece.numel() for piece in pieces)
+                pieces = [layer[start : start + count] for layer in layers]
                 if self._backend == "tcp":
-                    send_buffers(sock, [view for piece in pieces for view in _runs_of(piece)])
+                    send_buffers(sock, [_bytes_of(piece) for piece in pieces])
                 else:
                     # Not waited for chunk by chunk: the next header goes out while this chunk's
                     # bytes are on the way, the target posts its receives as each header
-                    # arrives (``more``), and the group's pipe does not drain between chunks. A
-                    # partly filled block's runs are gathered first, and kept until sent.
-                    if tokens:
-                        pieces = [piece.contiguous().view(-1) for piece in pieces]
-                        gathered += pieces
+                    # arrives (``more``), and the group's pipe does not drain between chunks.
                     group = self._groups[target][1]
                     works += [group.send([piece], 1, tag) for tag, piece in enumerate(pieces)]
+                sent += count * per_block
                 messages += 1
             _wait_all(works, self._device, self._timeout_s)
             for _ in range(messages):

@@ -8,10 +8,15 @@ machine of these steps)::
               while the request keeps decoding here        bounded by max stages / last-stage blocks)
     warm      the target takes the staged blocks into     (gRPC WarmMigration, vLLM engines)
               its prefix cache before the stop
+    tail      the partly filled last block as far as it   (SendBlocks partial=True,
+              is written, the request still decoding        running=True)
     stop      at a step boundary, no final piece; vLLM     (EngineService.stop_for_migration,
-              keeps the blocks while the agent holds them   KV agent Hold / Release)
-    last      the blocks filled since, the partial one's  (SendBlocks partial=True, then
-              tokens alone; the blocks released after      release=True)
+              keeps the blocks while the agent holds them   KV agent Hold)
+    last      nothing, if the tokens written since the     (SendBlocks partial=True,
+              tail are few and in its block (the target     release=True; or Release)
+              computes them); else the blocks filled
+              since, the partial one too; then the blocks
+              are released
     commit    token state -> target, which admits          (gRPC CommitMigration)
               prompt + outputs so far with the KV loaded
     handover  owner record in Redis (fencing generation),  (hand-over piece to the router)

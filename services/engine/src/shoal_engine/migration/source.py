@@ -3,10 +3,11 @@
 Each state is one step of the protocol (the package's docstring draws it); each step is a method
 that does its work and returns the next state::
 
-    PICK_TARGET -> PREPARE -> PRECOPY (once per stage) -> WARM -> STOP -> LAST_STAGE -> COMMIT
-                -> HANDOVER -> DONE
+    PICK_TARGET -> PREPARE -> PRECOPY (once per stage) -> WARM -> TAIL -> STOP -> LAST_STAGE
+                -> COMMIT -> HANDOVER -> DONE
 
-A recompute move skips the pre-copy and sends nothing at the stop; an unwarmed one skips WARM.
+A recompute move skips the pre-copy and the tail and sends nothing at the stop; an unwarmed one
+skips WARM; a stop-and-copy move goes from PREPARE to STOP.
 A step that cannot go on raises: ``MoveEndedError`` for a refusal or a request that is gone (the
 move ends with its code), anything else for a failure (``SourceMove.run``'s caller turns it
 into a code). From PRECOPY on, the target holds a staging area that an early end cancels; from
@@ -46,6 +47,14 @@ from shoal_protos.moves import MoveCode
 logger = logging.getLogger(__name__)
 
 _PRECOPY_MODES = (pb.PRECOPY, pb.PRECOPY_UNWARMED)
+
+TAIL_TOKENS = 16
+"""A pre-copy move sends the partly filled last block once more just before the stop; if the
+request wrote at most this many tokens into it since (a step or two, as a rule), the target
+computes them with its first step instead of the block going again while the stream stops.
+Sending a block while stopped is what made several moves at once stall each other (each
+waited for the others' blocks over one engine's core); a few tokens more in a prefill cost
+less."""
 _ENCODER = RouterRequestEncoder()
 
 
@@ -54,6 +63,7 @@ class State(enum.Enum):
     PREPARE = "prepare"
     PRECOPY = "precopy"
     WARM = "warm"
+    TAIL = "tail"
     STOP = "stop"
     LAST_STAGE = "last_stage"
     COMMIT = "commit"
@@ -113,6 +123,7 @@ class SourceMove:
             State.PREPARE: self._prepare,
             State.PRECOPY: self._precopy_stage,
             State.WARM: self._warm,
+            State.TAIL: self._tail,
             State.STOP: self._stop,
             State.LAST_STAGE: self._last_stage,
             State.COMMIT: self._commit,
@@ -129,6 +140,8 @@ class SourceMove:
         self._stop_wall = 0.0
         self._stopped: StoppedRequest | None = None
         self._last_sent: kv.SentBlocks | None = None
+        # What the tail sent: the blocks it reached and the tokens written in them.
+        self._tail_sent: tuple[int, int] | None = None
         self._add: AddRequest | None = None
 
     async def run(self) -> None:
@@ -254,7 +267,7 @@ class SourceMove:
             and config.migration_warm
             and config.backend == "vllm"
         )
-        return State.WARM if warm else State.STOP
+        return State.WARM if warm else State.TAIL
 
     async def _warm(self) -> State:
         """Have the target take the staged blocks into its prefix cache before the stop; the
@@ -263,7 +276,7 @@ class SourceMove:
         later): then only the whole blocks of the ids at hand go, one token short of them."""
         self.result.warm_tokens = await self._warm_tokens()
         self._clock.mark("warm")
-        return State.STOP
+        return State.TAIL
 
     async def _warm_tokens(self) -> int:
         assert self._stub is not None
@@ -291,6 +304,27 @@ class SourceMove:
             return 0
         return kv_tokens
 
+    async def _tail(self) -> State:
+        """Send what is written of the last blocks, the partly filled one too, while the
+        request still decodes (``_last_stage`` sends nothing more if little was written since)."""
+        sent = count_stage(
+            self.result,
+            await self._agent.call(
+                kv.SendBlocks(
+                    request_id=self._request_id,
+                    migration_id=self.result.migration_id,
+                    target=self._kv_address,
+                    first_block=self._next_block,
+                    partial=True,
+                    running=True,
+                )
+            ),
+        )
+        if not sent.preempted and sent.blocks:
+            self._tail_sent = (sent.next_block, sent.tokens_written)
+        self._clock.mark("tail")
+        return State.STOP
+
     async def _stop(self) -> State:
         """Stop the request right after an output with its blocks held (vLLM frees them once
         the agent lets go, after the last stage)."""
@@ -309,29 +343,30 @@ class SourceMove:
         return State.LAST_STAGE
 
     async def _last_stage(self) -> State:
-        """Send what is left (the last block partly filled) at once; the agent releases the
-        blocks as the send ends, in the same call: with several moves stopped at once, each
-        stalled stream waits for one call of each, not two."""
-        sent: kv.AgentReply
-        if self._mode == pb.RECOMPUTE:
+        """Send what is left (the last block partly filled) at once, unless the tail sent
+        enough; the agent releases the blocks as the send ends, in the same call: with several
+        moves stopped at once, each stalled stream waits for one call of each, not two."""
+        tail = self._tail_tokens()
+        if self._mode == pb.RECOMPUTE or tail:
             await self._agent.call(kv.Release(request_id=self._request_id))
-            sent = kv.SentBlocks(next_block=0, blocks=0, bytes=0, seconds=0.0, tokens_written=0)
-        else:
-            try:
-                sent = await self._agent.call(
-                    kv.SendBlocks(
-                        request_id=self._request_id,
-                        migration_id=self.result.migration_id,
-                        target=self._kv_address,
-                        first_block=self._next_block,
-                        partial=True,
-                        release=True,
-                    )
+            self.result.kv_tokens = tail
+            self._clock.mark("last_stage")
+            return State.COMMIT
+        try:
+            sent = await self._agent.call(
+                kv.SendBlocks(
+                    request_id=self._request_id,
+                    migration_id=self.result.migration_id,
+                    target=self._kv_address,
+                    first_block=self._next_block,
+                    partial=True,
+                    release=True,
                 )
-            except BaseException:
-                # The agent may not have had the call (a timeout, a cancel): release again.
-                await self._agent.call(kv.Release(request_id=self._request_id))
-                raise
+            )
+        except BaseException:
+            # The agent may not have had the call (a timeout, a cancel): release again.
+            await self._agent.call(kv.Release(request_id=self._request_id))
+            raise
         self._clock.mark("last_stage")
         self.result.kv_tokens = count_stage(self.result, sent).tokens_written
         return State.COMMIT
@@ -374,6 +409,20 @@ class SourceMove:
         return State.DONE
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _tail_tokens(self) -> int:
+        """The tokens the tail sent, if they do for the commit (the target computes the ones
+        written since); 0: the last stage sends what is left."""
+        assert self._stopped is not None
+        if self._tail_sent is None:
+            return 0
+        reached, sent = self._tail_sent
+        stopped = self._stopped
+        # KV exists for every token but the last one sampled.
+        written = len(stopped.add.prompt_token_ids) + len(stopped.output_ids) - 1
+        if written <= reached * self._block and written - sent <= TAIL_TOKENS:
+            return sent
+        return 0
 
     async def _read_source_pace(self) -> None:
         """The source's pace while the move ran and in as long a window just before it
