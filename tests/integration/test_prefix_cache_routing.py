@@ -3,10 +3,12 @@ engines publish what vLLM's prefix cache holds (vLLM's KV events, through Redis)
 with ``--scheduler prefix_cache`` sends a conversation's next turn to the engine that holds its
 first, with no session header; vLLM's own prefix-cache counters on that engine confirm the hit.
 A router started afterwards, as after a restart, builds the same index from Redis; a request
-moved with its KV is announced by its target."""
+moved with its KV is announced by its target, and a move to an engine that holds the request's
+first blocks sends only the rest."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -125,6 +127,54 @@ def test_a_moved_requests_blocks_are_announced_by_its_target(tiny_fleet: Running
             lambda: hashes <= snapshot_blocks(fleet, target), 30, "the target to announce the moved blocks"
         )
         reply.close()
+
+
+def moved_stream(
+    fleet: RunningFleet, prompt: list[int], max_tokens: int
+) -> tuple[list[int], pb.MigrationResult]:
+    """A greedy stream of ``prompt``, moved to the other engine after its first piece: its token
+    ids and the move's result."""
+    body = {
+        "model": fleet.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "stream": True, "return_token_ids": True,
+    }  # fmt: skip
+    token_ids: list[int] = []
+    with httpx.stream("POST", fleet.base_url + "/v1/completions", json=body, timeout=60 * STALL_S) as reply:
+        assert reply.status_code == 200
+        request_id = reply.headers["x-shoal-request-id"]
+        source = reply.headers["x-shoal-engine"]
+        result: pb.MigrationResult | None = None
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            token_ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            if result is None:
+                target = next(e for e in ("engine-0", "engine-1") if e != source)
+                result = fleet.migrate(request_id, source, target)
+                assert result.outcome == pb.MIGRATED, result
+    assert result is not None
+    return token_ids, result
+
+
+def test_a_move_sends_none_of_the_blocks_its_target_holds(tiny_fleet: RunningFleet) -> None:
+    """A move asks its target how much of the request its prefix cache holds and sends only
+    the rest: the second of two greedy streams of one prompt, each moved, finds the prompt's
+    blocks on either engine (the first left them on both), sends fewer, and comes out the same."""
+    fleet, rng = tiny_fleet, random.Random(44)
+    prompt = [rng.randrange(3, 1000) for _ in range(3 * BLOCK + 10)]
+    hashes = set(chain_hashes(prompt, BLOCK))
+    first, cold = moved_stream(fleet, prompt, 48)
+    assert cold.target_cached_blocks == 0, cold
+    for engine_id in ("engine-0", "engine-1"):
+        wait_until(
+            lambda e=engine_id: hashes <= snapshot_blocks(fleet, e), 30, f"{engine_id} to hold the prompt"
+        )
+    second, warm = moved_stream(fleet, prompt, 48)
+    assert second == first
+    assert warm.target_cached_blocks >= 3, warm
+    # Block 3, the partly filled one, went (with the tail, and again at the stop if it filled
+    # meanwhile); blocks 0-2 went only for the cold move.
+    assert warm.blocks <= 2 and cold.blocks >= 4, (warm, cold)
 
 
 def snapshot_blocks(fleet: RunningFleet, engine_id: str) -> set[int]:

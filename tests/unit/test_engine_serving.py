@@ -662,6 +662,8 @@ async def test_the_cheapest_request_to_move_has_produced_a_token_and_has_tokens_
         assert svc.tokens_of("waiting") == 1  # its prompt only: it waits for a batch slot
         assert svc.cheapest_to_move(min_left=16) == "short"
         assert svc.cheapest_to_move(min_left=10_000) is None  # nothing has that much to go
+        # A target that holds all of the long one already: nothing of it to copy.
+        assert svc.cheapest_to_move(16, held=lambda ids: len(ids) if ids[:3] == [0, 1, 2] else 0) == "long"
     finally:
         await svc.drain(0)
         backend.shutdown()

@@ -35,10 +35,12 @@ from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import kv
 from shoal_protos.messages import PROTOCOL_VERSION, AddRequest, RouterRequestEncoder, SamplingOptions
 from shoal_protos.moves import MoveCode
+from shoal_protos.prefix import PrefixSnapshot, chain_hashes, prefix_event_encoder
 from shoal_protos.records import (
     TARGET_PHASES,
     EngineRecord,
     Keys,
+    LoadReport,
     json_encoder,
     migration_record_decoder,
     owner_record_decoder,
@@ -310,6 +312,74 @@ async def test_the_tail_spares_the_last_stage_when_few_tokens_came_after_it(
     else:
         assert agent.sends() == [(0, False), (10, True)]
         assert result.kv_tokens == target.commits[0].kv_tokens == written
+
+
+@dataclass
+class HoldingTarget(PlayedTarget):
+    """A target whose prefix cache holds the request's first ``held`` blocks."""
+
+    held: int = 0
+    prepares: list[pb.PrepareRequest] = field(default_factory=list)
+
+    async def PrepareMigration(self, request: pb.PrepareRequest, timeout: float) -> pb.PrepareReply:  # noqa: N802, ASYNC109
+        self.prepares.append(request)
+        reply = await super().PrepareMigration(request, timeout)
+        reply.cached_blocks = self.held
+        return reply
+
+
+@pytest.mark.asyncio
+async def test_blocks_the_target_holds_in_its_prefix_cache_are_not_sent(redis_client: aioredis.Redis) -> None:
+    """The prepare names the request's full blocks by their chained hashes; the target answers
+    how many of the first it holds, and the pre-copy starts after them."""
+    service = PlayedService("r5")
+    written = len(PROMPT) + len(service.outputs) - 1
+    agent = PlayedAgent(stages=[_sent(6, 4, written)], final=_sent(10, 1, written))
+    target = HoldingTarget(held=6)
+    result = await _move(redis_client, agent, service, target)
+    assert (result.outcome, result.code) == (pb.MIGRATED, MoveCode.MOVED), result.detail
+    (prepare,) = target.prepares
+    assert list(prepare.block_hashes) == chain_hashes(PROMPT + service.outputs, BLOCK, limit=10)
+    assert agent.sends() == [(6, False), (10, True)]
+    assert (result.target_cached_blocks, result.blocks) == (6, 5)
+    record = migration_record_decoder.decode(
+        await redis_client.get(Keys("stages").migration(result.migration_id))
+    )
+    assert record.target_cached_blocks == 6
+
+
+@pytest.mark.asyncio
+async def test_the_target_answers_how_much_of_the_request_its_cache_holds(
+    redis_client: aioredis.Redis,
+) -> None:
+    """``PrepareMigration`` carries the answer of the engine's prefix cache, unless the move
+    sends no KV (recompute)."""
+    config = EngineConfig(model="m", served_model_name="m", engine_id="t", backend="sim")
+    agent = PlayedAgent(stages=[], final=_sent(0, 0, 0))
+    manager = MigrationManager(
+        config,
+        ArrivingService(),
+        lambda: 100,
+        redis_client,
+        Keys("c"),
+        EngineMetrics("t", "m"),
+        agent=agent,  # type: ignore[arg-type]
+    )
+    manager.target.held_prefix = lambda hashes: sum(1 for h in hashes if h % 2 == 0)
+    try:
+        asked = pb.PrepareRequest(
+            migration_id="m1",
+            request_id="r",
+            num_blocks=4,
+            bytes_per_block=BYTES_PER_BLOCK,
+            block_hashes=[2, 4, 5, 6],
+        )
+        reply = await manager.prepare(asked)
+        assert reply.accepted and reply.cached_blocks == 3
+        asked.migration_id, asked.recompute = "m2", True
+        assert (await manager.prepare(asked)).cached_blocks == 0
+    finally:
+        await manager.aclose()
 
 
 @pytest.mark.asyncio
@@ -720,5 +790,50 @@ async def test_channels_to_engines_not_met_for_longest_are_closed(redis_client: 
             peers.stub("127.0.0.1:1")  # used all along: kept
         assert len(peers.channels) == MAX_CHANNELS
         assert "127.0.0.1:1" in peers.channels and "127.0.0.1:2" not in peers.channels
+    finally:
+        await manager.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_target_left_to_the_source_is_one_with_room_that_holds_the_prefix(
+    redis_client: aioredis.Redis,
+) -> None:
+    """A drain's target: of the engines with nearly the most free KV blocks, the one whose
+    prefix cache (its snapshot in Redis) holds most of the request's first blocks; a cached
+    engine far fuller than the freest loses to it."""
+    keys = Keys("pick")
+    hashes = chain_hashes(PROMPT, BLOCK)
+
+    async def engine(engine_id: str, free: int, held: int) -> None:
+        record = EngineRecord(
+            engine_id=engine_id,
+            model="m",
+            zmq_address="tcp://127.0.0.1:3",
+            http_address="http://127.0.0.1:4",
+            max_model_len=4096,
+            protocol_version=PROTOCOL_VERSION,
+            started_at=time.time(),
+            control_address=f"{engine_id}:5",
+        )
+        load = LoadReport(engine_id=engine_id, seq=1, time=time.time(), kv_blocks_free=free)
+        snapshot = PrefixSnapshot(epoch="e", seq=1, block_size=BLOCK, blocks=[*hashes[:held], 99])
+        await redis_client.sadd(keys.engines, engine_id)
+        await redis_client.set(keys.engine(engine_id), json_encoder.encode(record))
+        await redis_client.set(keys.load(engine_id), json_encoder.encode(load))
+        await redis_client.set(keys.prefix_snapshot(engine_id), prefix_event_encoder.encode(snapshot))
+
+    config = EngineConfig(model="m", served_model_name="m", engine_id="source", cluster="pick", backend="sim")
+    manager = MigrationManager(
+        config, ArrivingService(), lambda: 100, redis_client, keys, EngineMetrics("source", "m")
+    )  # type: ignore[arg-type]
+    try:
+        await engine("freest", free=110, held=0)
+        await engine("holder", free=100, held=3)
+        await engine("full-holder", free=40, held=10)
+        picked = await manager.peers.pick_target("", hashes)
+        assert picked is not None and picked.engine_id == "holder"
+        assert (await manager.peers.pick_target("", [])).engine_id == "freest"  # type: ignore[union-attr]
+        await engine("holder", free=80, held=3)  # below three quarters of the freest
+        assert (await manager.peers.pick_target("", hashes)).engine_id == "freest"  # type: ignore[union-attr]
     finally:
         await manager.aclose()

@@ -87,6 +87,19 @@ def test_removed_and_cleared_blocks_leave_and_the_net_change_is_taken() -> None:
     assert first not in cache.blocks()
 
 
+def test_the_cache_says_how_much_of_a_request_it_holds_from_its_first_block() -> None:
+    """A move's target answers with it how many of the request's first blocks need not go."""
+    cache = CachedBlocks(BLOCK)
+    tokens = list(range(30, 46))
+    hashes = chain_hashes(tokens, BLOCK)
+    cache.apply([stored([vllm_hash(1), vllm_hash(2), vllm_hash(3)], tokens[:12])])
+    assert cache.held_prefix(hashes) == 3
+    assert cache.held_prefix(chain_hashes([29, *tokens[1:]], BLOCK)) == 0  # its first differs
+    cache.apply([BlockRemoved(block_hashes=[vllm_hash(2)], medium="GPU")])
+    assert cache.held_prefix(hashes) == 1  # a hole ends the prefix
+    assert cache.held_prefix([]) == 0
+
+
 @pytest.mark.parametrize(
     "event",
     [

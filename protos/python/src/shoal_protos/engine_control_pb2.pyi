@@ -44,7 +44,7 @@ class MigrateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., reason: _Optional[str] = ..., mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
 
 class MigrationResult(_message.Message):
-    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens", "phase_ms", "source_step_ms", "source_step_ms_before", "code")
+    __slots__ = ("migration_id", "request_id", "source_engine_id", "target_engine_id", "outcome", "reason", "detail", "stages", "bytes", "blocks", "kv_tokens", "total_tokens", "downtime_ms", "duration_ms", "warm_tokens", "phase_ms", "source_step_ms", "source_step_ms_before", "code", "target_cached_blocks")
     class PhaseMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class MigrationResult(_message.Message):
     SOURCE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_STEP_MS_BEFORE_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     source_engine_id: str
@@ -90,7 +91,8 @@ class MigrationResult(_message.Message):
     source_step_ms: float
     source_step_ms_before: float
     code: str
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ..., phase_ms: _Optional[_Mapping[str, float]] = ..., source_step_ms: _Optional[float] = ..., source_step_ms_before: _Optional[float] = ..., code: _Optional[str] = ...) -> None: ...
+    target_cached_blocks: int
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., target_engine_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., stages: _Optional[int] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., downtime_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ..., warm_tokens: _Optional[int] = ..., phase_ms: _Optional[_Mapping[str, float]] = ..., source_step_ms: _Optional[float] = ..., source_step_ms_before: _Optional[float] = ..., code: _Optional[str] = ..., target_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("deadline_s", "leave_rotation", "rejoin_after_s")
@@ -127,7 +129,7 @@ class ListMigrationsResult(_message.Message):
     def __init__(self, migrations: _Optional[_Iterable[_Union[MigrationResult, _Mapping]]] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("migration_id", "request_id", "source_engine_id", "num_blocks", "max_blocks", "bytes_per_block", "tensor_parallel_size", "pipeline_parallel_size", "recompute")
+    __slots__ = ("migration_id", "request_id", "source_engine_id", "num_blocks", "max_blocks", "bytes_per_block", "tensor_parallel_size", "pipeline_parallel_size", "recompute", "block_hashes")
     MIGRATION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class PrepareRequest(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     migration_id: str
     request_id: str
     source_engine_id: str
@@ -146,21 +149,24 @@ class PrepareRequest(_message.Message):
     tensor_parallel_size: int
     pipeline_parallel_size: int
     recompute: bool
-    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., recompute: _Optional[bool] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, migration_id: _Optional[str] = ..., request_id: _Optional[str] = ..., source_engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., max_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., recompute: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrepareReply(_message.Message):
-    __slots__ = ("accepted", "detail", "kv_address", "staging_ttl_s", "code")
+    __slots__ = ("accepted", "detail", "kv_address", "staging_ttl_s", "code", "cached_blocks")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STAGING_TTL_S_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     detail: str
     kv_address: str
     staging_ttl_s: float
     code: str
-    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., kv_address: _Optional[str] = ..., staging_ttl_s: _Optional[float] = ..., code: _Optional[str] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., kv_address: _Optional[str] = ..., staging_ttl_s: _Optional[float] = ..., code: _Optional[str] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
     __slots__ = ("migration_id", "token_ids", "kv_tokens")

@@ -129,6 +129,8 @@ class MigrationRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     kv_tokens: int = 0
     # Of those, the leading tokens the target took into its prefix cache before the stop.
     warm_tokens: int = 0
+    # The request's first full blocks the target held already (prefix cache): none of them sent.
+    target_cached_blocks: int = 0
     total_tokens: int = 0
     downtime_ms: float = 0.0
     duration_ms: float = 0.0

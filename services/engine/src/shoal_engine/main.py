@@ -459,7 +459,7 @@ def _prefix_cache_feed(
         ttl_s=max(config.heartbeat_ttl_s, 2 * config.prefix_snapshot_interval_s),
     )
     logger.info("prefix-cache events from %s go to Redis", endpoint)
-    return PrefixCacheFeed(KvEventSubscriber(endpoint, topic, blocks, changed), publisher)
+    return PrefixCacheFeed(KvEventSubscriber(endpoint, topic, blocks, changed), publisher, blocks)
 
 
 async def run(config: EngineConfig, backend: EngineBackend, kv_events: tuple[str, str] | None = None) -> int:
@@ -488,6 +488,8 @@ async def run(config: EngineConfig, backend: EngineBackend, kv_events: tuple[str
     feed = _prefix_cache_feed(config, kv_events, parts, info, keys) if kv_events else None
     if feed is not None:
         feed.start(supervisor)
+        if parts.migrations is not None:  # moves here skip the blocks this engine holds
+            parts.migrations.target.held_prefix = feed.held_prefix
     registration = EngineRegistration(
         parts.redis,
         keys,

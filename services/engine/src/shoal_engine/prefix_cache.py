@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 
 import msgspec
@@ -56,8 +57,10 @@ class CachedBlocks:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        # vLLM's hash of each cached block -> Shoal's.
+        # vLLM's hash of each cached block -> Shoal's, and how many cached blocks have each
+        # of Shoal's (one, unless tokens alone do not tell two of vLLM's blocks apart).
         self._shoal: dict[bytes | int, int] = {}
+        self._held: Counter[int] = Counter()
         # Net changes since the last ``take``: True stored, False removed.
         self._changed: dict[int, bool] = {}
         self._cleared = False
@@ -72,9 +75,13 @@ class CachedBlocks:
                 for vllm_hash in event.block_hashes:
                     shoal = self._shoal.pop(vllm_hash, None)
                     if shoal is not None:
-                        self._changed[shoal] = False
+                        self._held[shoal] -= 1
+                        if not self._held[shoal]:
+                            del self._held[shoal]
+                            self._changed[shoal] = False
             elif isinstance(event, AllBlocksCleared):
                 self._shoal.clear()
+                self._held.clear()
                 self._changed.clear()
                 self._cleared = True
 
@@ -97,6 +104,7 @@ class CachedBlocks:
             # vLLM announces blocks again when a request reuses them: already known, no change.
             if vllm_hash not in self._shoal:
                 self._shoal[vllm_hash] = shoal
+                self._held[shoal] += 1
                 self._changed[shoal] = True
 
     def _nameable(self, event: BlockStored) -> bool:
@@ -124,7 +132,17 @@ class CachedBlocks:
         return bool(self._changed) or self._cleared
 
     def blocks(self) -> list[int]:
-        return list(self._shoal.values())
+        return list(self._held)
+
+    def held_prefix(self, hashes: Iterable[int]) -> int:
+        """How many of ``hashes`` (a request's chained block hashes, first block first) lead
+        in the cache: a prefix-cache lookup would find that many blocks."""
+        held = 0
+        for block in hashes:
+            if block not in self._held:
+                break
+            held += 1
+        return held
 
 
 class KvEventSubscriber:
@@ -270,9 +288,12 @@ class PrefixPublisher:
 class PrefixCacheFeed:
     """The subscriber and the publisher of one engine, run and closed together."""
 
-    def __init__(self, subscriber: KvEventSubscriber, publisher: PrefixPublisher) -> None:
+    def __init__(
+        self, subscriber: KvEventSubscriber, publisher: PrefixPublisher, blocks: CachedBlocks
+    ) -> None:
         self.subscriber = subscriber
         self.publisher = publisher
+        self.held_prefix = blocks.held_prefix
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self, supervisor: Supervisor) -> None:

@@ -183,19 +183,21 @@ class EngineService:
         """The engine a request that left this one went to, if it is remembered."""
         return self._moved.get(request_id)
 
-    def cheapest_to_move(self, min_left: int) -> str | None:
+    def cheapest_to_move(self, min_left: int, held: Callable[[list[int]], int] | None = None) -> str | None:
         """The running request a balancing migration should move: of those that produced a
         token here (their KV exists) and have at least ``min_left`` tokens to go, the one with
-        the fewest tokens (the least KV to copy), a request that is not a priority request
-        before any that is (moves make room for priority requests). None when no request
-        qualifies."""
+        the least KV to copy (its tokens, less those the target holds already: ``held`` of its
+        token ids), a request that is not a priority request before any that is (moves make
+        room for priority requests). None when no request qualifies."""
         best: tuple[bool, int, str] | None = None
         for request_id, running in self._running.items():
             if running.migrating or running.produced < 1:
                 continue
-            tokens = len(running.add.prompt_token_ids) + len(running.output_ids)
+            ids = running.add.prompt_token_ids + running.output_ids
+            tokens = len(ids)
             limit = self.max_tokens_of(request_id) or tokens
-            candidate = (running.add.priority < 0, tokens, request_id)
+            to_copy = tokens - held(ids) if held is not None else tokens
+            candidate = (running.add.priority < 0, to_copy, request_id)
             if limit - tokens >= min_left and (best is None or candidate < best):
                 best = candidate
         return None if best is None else best[2]

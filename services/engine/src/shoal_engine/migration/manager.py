@@ -22,7 +22,7 @@ from shoal_engine.migration.common import (
     MoveEndedError,
 )
 from shoal_engine.migration.drain import Drainer
-from shoal_engine.migration.peers import Peers
+from shoal_engine.migration.peers import Peers, cached_blocks, leading
 from shoal_engine.migration.records import MoveLog
 from shoal_engine.migration.source import SourceMove, failure_code
 from shoal_engine.migration.target import TargetSide
@@ -32,6 +32,7 @@ from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
 from shoal_protos.moves import MoveCode
+from shoal_protos.prefix import chain_hashes
 from shoal_protos.records import Keys
 from shoal_protos.tls import FleetTls
 
@@ -108,7 +109,7 @@ class MigrationManager:
         once its record is in Redis, so that a caller reading the records finds it."""
         started = time.perf_counter()
         if not request_id:  # the caller (a balancing policy) leaves the choice to this engine
-            request_id = self._service.cheapest_to_move(MIN_TOKENS_LEFT) or ""
+            request_id = await self._cheapest_to(target_engine_id)
         result = pb.MigrationResult(
             migration_id=uuid.uuid4().hex[:16],
             request_id=request_id,
@@ -120,6 +121,21 @@ class MigrationManager:
         self.log.finish(result, code, detail, started)
         await self.log.written(result.migration_id)
         return result
+
+    async def _cheapest_to(self, target_engine_id: str) -> str:
+        """The request cheapest to move to ``target_engine_id`` (any target, left empty): the
+        least KV to copy, less what the target's prefix cache holds of it; "" when none may."""
+        cached = (
+            cached_blocks(await self.peers.prefix_snapshot(target_engine_id)) if target_engine_id else set()
+        )
+        if not cached:
+            return self._service.cheapest_to_move(MIN_TOKENS_LEFT) or ""
+        block = (await self._agent_status()).block_size
+
+        def held(ids: list[int]) -> int:
+            return leading(chain_hashes(ids, block, limit=(len(ids) - 1) // block), cached) * block
+
+        return self._service.cheapest_to_move(MIN_TOKENS_LEFT, held) or ""
 
     async def _move(self, result: pb.MigrationResult, started: float, mode: int) -> tuple[MoveCode, str]:
         """Run the move; the code it ended with and why."""

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 import grpc
 import msgspec
@@ -20,6 +21,7 @@ from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
 from shoal_protos.addresses import zmq_connect
 from shoal_protos.messages import AbortRequest, RouterRequestEncoder
+from shoal_protos.prefix import prefix_snapshot_decoder
 from shoal_protos.records import (
     EngineRecord,
     EngineState,
@@ -35,9 +37,34 @@ logger = logging.getLogger(__name__)
 UNREACHABLE_S = 10.0
 """How long a target whose control API refused connections is left out of target picking."""
 
+NEAR_FREEST = 0.75
+"""An engine a move may go to for its prefix cache has at least this share of the free KV blocks
+of the freest one: a cached engine that is nearly full loses to a cold one with room."""
+
 MAX_CHANNELS = 32
 """Channels to other engines' control APIs kept open; past this, the least recently used one
 is closed."""
+
+
+def cached_blocks(snapshot: bytes | None) -> set[int]:
+    """The blocks an engine's prefix-cache snapshot (``Keys.prefix_snapshot``) names; none
+    without one."""
+    if not snapshot:
+        return set()
+    try:
+        return set(prefix_snapshot_decoder.decode(snapshot).blocks)
+    except msgspec.DecodeError:
+        return set()
+
+
+def leading(block_hashes: Iterable[int], held: set[int]) -> int:
+    """How many of a request's first blocks (``block_hashes``, first first) are in ``held``."""
+    count = 0
+    for block in block_hashes:
+        if block not in held:
+            break
+        count += 1
+    return count
 
 
 class Peers:
@@ -80,9 +107,12 @@ class Peers:
     def is_unreachable(self, engine_id: str) -> bool:
         return engine_id in self._unreachable
 
-    async def pick_target(self, engine_id: str) -> EngineRecord | None:
-        """``engine_id``'s record, or, left empty, the active engine with the most free KV
-        blocks; None when there is none."""
+    async def pick_target(self, engine_id: str, block_hashes: Sequence[int] = ()) -> EngineRecord | None:
+        """``engine_id``'s record, or, left empty, an active engine picked for room first and
+        then for the request's prefix: of those with nearly the most free KV blocks
+        (``NEAR_FREEST`` of the most), the one whose prefix cache holds most of the request's
+        first blocks (``block_hashes``, from its snapshot in Redis; fewer bytes to copy), then
+        the freest. None when there is none."""
         if engine_id:
             raw = await self._redis.get(self._keys.engine(engine_id))
             if raw is None:
@@ -92,21 +122,37 @@ class Peers:
                 raise MigrationError(f"engine {engine_id} cannot take migrations")
             return record
         ids = await self._engine_ids()
-        best: tuple[int, EngineRecord] | None = None
+        candidates: list[tuple[int, EngineRecord, bytes | None]] = []
         now = time.monotonic()
         for other in ids:
             if other == self._engine_id or self._unreachable.get(other, 0.0) > now:
                 continue
-            raw_record, raw_load = await self._redis.mget(self._keys.engine(other), self._keys.load(other))
+            raw_record, raw_load, snapshot = await self._redis.mget(
+                self._keys.engine(other), self._keys.load(other), self._keys.prefix_snapshot(other)
+            )
             if raw_record is None:
                 continue
             record = engine_record_decoder.decode(raw_record)
             if record.state != EngineState.ACTIVE or not record.control_address:
                 continue
             free = load_report_decoder.decode(raw_load).kv_blocks_free if raw_load else 0
-            if best is None or free > best[0]:
-                best = (free, record)
-        return best[1] if best else None
+            candidates.append((free, record, snapshot))
+        if not candidates:
+            return None
+        most = max(free for free, _, _ in candidates)
+        near = [c for c in candidates if c[0] >= NEAR_FREEST * most]
+        if len(near) == 1 or not block_hashes:
+            return max(near, key=lambda c: c[0])[1]
+        return max(near, key=lambda c: (leading(block_hashes, cached_blocks(c[2])), c[0]))[1]
+
+    async def prefix_snapshot(self, engine_id: str) -> bytes | None:
+        """``engine_id``'s prefix-cache snapshot as it is in Redis (None: none, or unreadable)."""
+        try:
+            raw: bytes | None = await self._redis.get(self._keys.prefix_snapshot(engine_id))
+        except RedisError as exc:
+            logger.info("no prefix-cache snapshot of %s: %s", engine_id, exc)
+            return None
+        return raw
 
     async def _engine_ids(self) -> list[str]:
         members = await self._redis.smembers(self._keys.engines)

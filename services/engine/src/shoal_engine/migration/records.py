@@ -71,8 +71,8 @@ class MoveLog:
         self._history.appendleft(result)
         log = logger.info if code is MoveCode.MOVED else logger.warning
         log(
-            "migration %s of %s to %s: %s%s (%d stages, %d bytes, %d tokens warm, downtime %.1f ms, "
-            "%.1f ms in all)",
+            "migration %s of %s to %s: %s%s (%d stages, %d bytes, %d blocks held there, %d tokens warm, "
+            "downtime %.1f ms, %.1f ms in all)",
             result.migration_id,
             result.request_id,
             result.target_engine_id or "?",
@@ -80,6 +80,7 @@ class MoveLog:
             f" ({detail})" if detail else "",
             result.stages,
             result.bytes,
+            result.target_cached_blocks,
             result.warm_tokens,
             result.downtime_ms,
             result.duration_ms,
@@ -114,6 +115,7 @@ class MoveLog:
             blocks=result.blocks,
             kv_tokens=result.kv_tokens,
             warm_tokens=result.warm_tokens,
+            target_cached_blocks=result.target_cached_blocks,
             total_tokens=result.total_tokens,
             downtime_ms=result.downtime_ms,
             duration_ms=result.duration_ms,

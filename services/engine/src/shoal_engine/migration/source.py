@@ -43,6 +43,7 @@ from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
 from shoal_protos.messages import AddRequest, RouterRequestEncoder
 from shoal_protos.moves import MoveCode
+from shoal_protos.prefix import chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,10 @@ class SourceMove:
     # ---- the states ---------------------------------------------------------------------------
 
     async def _pick_target(self) -> State:
-        target = await self._peers.pick_target(self.result.target_engine_id)
+        self._block = (await self._agent_status()).block_size
+        named = self.result.target_engine_id
+        # Left to pick, it weighs what each engine's prefix cache holds of the request.
+        target = await self._peers.pick_target(named, () if named else self._block_hashes())
         if target is None:
             raise MoveEndedError(MoveCode.NO_TARGET, "no active engine to move to")
         self.result.target_engine_id = self._target_engine_id = target.engine_id
@@ -170,13 +174,13 @@ class SourceMove:
     async def _prepare(self) -> State:
         """Reserve room on the target."""
         status = await self._agent_status()
-        self._block = status.block_size
         stub = self._stub_for(self._control_address)
         # A request that just arrived (a move right after a move) has no blocks here before its
         # first step: pre-copy would find none to send, and the stop would send them all.
         await self._service.wait_output_here(self._request_id, self._timeout / 2)
         tokens = self._service.tokens_of(self._request_id) or 0
         max_tokens = self._service.max_tokens_of(self._request_id) or tokens
+        hashes = [] if self._mode == pb.RECOMPUTE else self._block_hashes()
         request = pb.PrepareRequest(
             migration_id=self.result.migration_id,
             request_id=self._request_id,
@@ -187,6 +191,7 @@ class SourceMove:
             tensor_parallel_size=self._config.tensor_parallel_size,
             pipeline_parallel_size=self._config.pipeline_parallel_size,
             recompute=self._mode == pb.RECOMPUTE,
+            block_hashes=hashes,
         )
         prepared = await stub.PrepareMigration(request, timeout=self._timeout)
         if self._recompute_instead(prepared):
@@ -208,6 +213,9 @@ class SourceMove:
             raise MoveEndedError(_refusal_code(prepared.code), prepared.detail)
         self._stub = stub
         self._kv_address = prepared.kv_address
+        if self._mode != pb.RECOMPUTE:
+            # The target's vLLM finds these in its own prefix cache: no stage sends them.
+            self._next_block = self.result.target_cached_blocks = min(prepared.cached_blocks, len(hashes))
         return State.PRECOPY if self._mode in _PRECOPY_MODES else State.STOP
 
     def _recompute_instead(self, prepared: pb.PrepareReply) -> bool:
@@ -263,7 +271,7 @@ class SourceMove:
         self._clock.mark("precopy")
         warm = (
             self._mode == pb.PRECOPY
-            and self._next_block
+            and self._next_block > self.result.target_cached_blocks  # staged blocks to take in
             and config.migration_warm
             and config.backend == "vllm"
         )
@@ -409,6 +417,12 @@ class SourceMove:
         return State.DONE
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _block_hashes(self) -> list[int]:
+        """The request's full blocks as a prefix cache names them (``chain_hashes``), short of
+        the last token: vLLM never takes that one from a cache, it computes it."""
+        ids = self._service.token_ids_of(self._request_id) or []
+        return chain_hashes(ids, self._block, limit=(len(ids) - 1) // self._block)
 
     def _tail_tokens(self) -> int:
         """The tokens the tail sent, if they do for the commit (the target computes the ones

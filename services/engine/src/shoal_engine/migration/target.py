@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -68,6 +68,9 @@ class TargetSide:
         self._add_decoder = EngineRequestDecoder()
         self._reserved: dict[str, _Reservation] = {}
         self.arriving: dict[str, _Arriving] = {}
+        self.held_prefix: Callable[[Sequence[int]], int] = lambda hashes: 0
+        """How many of a request's first blocks (chained hashes) this engine's prefix cache
+        holds; the engine sets it where it follows its cache (``--prefix-events``)."""
 
     async def prepare(self, request: pb.PrepareRequest) -> pb.PrepareReply:
         """Reserve room for the request's blocks, or refuse."""
@@ -80,7 +83,10 @@ class TargetSide:
         ttl = self._config.migration_step_timeout_s * (self._config.migration_max_stages + 3)
         expiry = asyncio.get_running_loop().call_later(ttl, self._expire, request.migration_id)
         self._reserved[request.migration_id] = _Reservation(request.num_blocks + 1, expiry)
-        return pb.PrepareReply(accepted=True, kv_address=self._config.kv_data_address, staging_ttl_s=ttl)
+        cached = 0 if request.recompute else self.held_prefix(request.block_hashes)
+        return pb.PrepareReply(
+            accepted=True, kv_address=self._config.kv_data_address, staging_ttl_s=ttl, cached_blocks=cached
+        )
 
     async def _refusal(self, request: pb.PrepareRequest) -> tuple[MoveCode, str] | None:
         if self._service.draining:
