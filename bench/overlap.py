@@ -10,7 +10,11 @@ has ``--move-after`` tokens it asks for moves, all at once, without waiting for 
 
 * ``one``: one stream moves (the baseline: a move alone);
 * ``one_way``: every stream on engine-0 moves to engine-1 (a drain's burst);
-* ``both_ways``: half of the moves go each way, at once (a balancing round in both directions).
+* ``both_ways``: half of the moves go each way, at once (a balancing round in both directions);
+* ``one_way_shared``: as ``one_way``, the streams' prompts the same ``--shared-tokens`` (a system
+  prompt) and ``SHARED_OWN_TOKENS`` of their own, so both engines' prefix caches hold the shared
+  blocks: a move sends none of them (the target says it holds them); the same run's ``one_way``
+  is its baseline.
 
 The client (asyncio, httpx) stamps every SSE event of every stream. A moved stream's stall is the
 gap before the event that carries the target's first token (the source stopped after the move's
@@ -48,7 +52,10 @@ from shoal_protos import engine_control_pb2 as pb
 from shoal_protos.records import Keys, migration_record_decoder
 
 BEGIN, END = "<!-- overlap:begin -->", "<!-- overlap:end -->"
-SCENES = ("one", "one_way", "both_ways")
+SCENES = ("one", "one_way", "both_ways", "one_way_shared")
+MEASURED = ("one_way", "both_ways")
+SHARED_OWN_TOKENS = 16
+"""The scenes the target is read on."""
 GOAL_GAPS = 2.0
 
 
@@ -79,7 +86,7 @@ def pick_moves(streams: list[Stream], scene: str, moves: int, rng: random.Random
     on = {e: [s for s in streams if s.engine == e] for e in ("engine-0", "engine-1")}
     if scene == "one":
         return [(rng.choice(streams), "")]
-    if scene == "one_way":
+    if scene in ("one_way", "one_way_shared"):
         return [(s, "engine-1") for s in on["engine-0"][:moves]]
     half = min(len(on["engine-0"]), len(on["engine-1"]), moves // 2)
     return [(s, "engine-1") for s in on["engine-0"][:half]] + [(s, "engine-0") for s in on["engine-1"][:half]]
@@ -91,11 +98,15 @@ async def scene_once(
     """One scene's moves, measured; None when a stream ended before all reached the move."""
     stubs = _control_stubs(cfg)
     streams = [Stream(args.prompt_len) for _ in range(args.streams)]
+    shared = (
+        [rng.randrange(100, 40000) for _ in range(args.shared_tokens)] if scene.endswith("_shared") else []
+    )
+    own = SHARED_OWN_TOKENS if shared else args.prompt_len  # tokens of each stream's own
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as client:
         bodies = [
             {
                 "model": cfg.served_model_name,
-                "prompt": [rng.randrange(100, 40000) for _ in range(args.prompt_len)],
+                "prompt": shared + [rng.randrange(100, 40000) for _ in range(own)],
                 "max_tokens": args.move_after + args.tokens_after,
                 "temperature": 0,
                 "ignore_eos": True,
@@ -160,6 +171,9 @@ async def scene_once(
                 "gap_ms": gaps[switch],
                 "engine_stall_ms": record.stall_ms if record and record.stall_ms else None,
                 "downtime_ms": result.downtime_ms,
+                "kv_bytes": result.bytes,
+                # The request's first blocks the target's prefix cache held: none of them sent.
+                "target_cached_blocks": result.target_cached_blocks,
                 "call_ms": (stream.stamps[switch + 1] - called) * 1000
                 if switch + 1 < len(stream.stamps)
                 else None,
@@ -194,6 +208,8 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[object]]:
                 f"{quantile(client, 0.5):.0f} / {quantile(client, 0.99):.0f}",
                 f"{quantile(engine, 0.5):.0f}" if engine else "n/a",
                 f"{quantile(engine, 0.99):.0f}" if engine else "n/a",
+                f"{statistics.median(r.get('kv_bytes', 0) for r in mine) / 1e6:.1f}",
+                f"{statistics.median(r.get('target_cached_blocks', 0) for r in mine):.0f}",
             ]
         )
     return out
@@ -202,7 +218,7 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[list[object]]:
 def verdict(rows: list[dict[str, Any]]) -> str:
     """The target, scene by scene (the scenes of several moves at once)."""
     parts = []
-    for scene in SCENES[1:]:
+    for scene in MEASURED:
         gaps = [r["stall_gaps"] for r in rows if r["scene"] == scene]
         if gaps:
             p99 = quantile(gaps, 0.99)
@@ -220,7 +236,9 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], measured: str,
             f"{args.prompt_len} random prompt tokens spread over both; once all have {args.move_after} "
             "tokens, moves are asked for at once: `one` (a move alone), `one_way` (every stream on "
             f"engine-0 to engine-1, at most {args.moves}, as a drain does), `both_ways` (half of "
-            f"{args.moves} each way), in mode `{args.mode}`. Stall: the "
+            f"{args.moves} each way), `one_way_shared` (as `one_way`, the prompts sharing their first "
+            f"{args.shared_tokens} tokens, which both engines' prefix caches hold: the moves send none "
+            f"of those blocks), in mode `{args.mode}`. Stall: the "
             "client's gap at the hand-over minus the stream's usual gap, in ms and in usual gaps; "
             "the hand-over gap itself beside the one the target engine recorded (the source's last "
             f"token to the target's first, no router or client in it). {args.repeats} scenes each; target: "
@@ -241,8 +259,10 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], measured: str,
                     "hand-over gap at the client p50 / p99 ms",
                     "as the target recorded it p50 ms",
                     "p99 ms",
+                    "KV sent per move, MB p50",
+                    "blocks the target held p50",
                 ],
-                "lrrrrrrrrrr",
+                "lrrrrrrrrrrrr",
                 summary_rows(rows),
             ),
             "",
@@ -264,6 +284,9 @@ def main(argv: list[str] | None = None) -> None:
         "--moves", type=int, default=8, help="moves at once in the one_way and both_ways scenes"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--shared-tokens", type=int, default=256, help="prompt tokens the one_way_shared streams share"
+    )
     parser.add_argument(
         "--mode", default="precopy", choices=["precopy", "precopy_unwarmed", "stop_and_copy", "recompute"]
     )
