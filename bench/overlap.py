@@ -97,11 +97,11 @@ async def scene_once(
 ) -> list[dict[str, Any]] | None:
     """One scene's moves, measured; None when a stream ended before all reached the move."""
     stubs = _control_stubs(cfg)
-    streams = [Stream(args.prompt_len) for _ in range(args.streams)]
     shared = (
         [rng.randrange(100, 40000) for _ in range(args.shared_tokens)] if scene.endswith("_shared") else []
     )
     own = SHARED_OWN_TOKENS if shared else args.prompt_len  # tokens of each stream's own
+    streams = [Stream(len(shared) + own) for _ in range(args.streams)]
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=600) as client:
         bodies = [
             {
@@ -236,9 +236,9 @@ def section(args: argparse.Namespace, rows: list[dict[str, Any]], measured: str,
             f"{args.prompt_len} random prompt tokens spread over both; once all have {args.move_after} "
             "tokens, moves are asked for at once: `one` (a move alone), `one_way` (every stream on "
             f"engine-0 to engine-1, at most {args.moves}, as a drain does), `both_ways` (half of "
-            f"{args.moves} each way), `one_way_shared` (as `one_way`, the prompts sharing their first "
-            f"{args.shared_tokens} tokens, which both engines' prefix caches hold: the moves send none "
-            f"of those blocks), in mode `{args.mode}`. Stall: the "
+            f"{args.moves} each way), `one_way_shared` (as `one_way`, each prompt the same "
+            f"{args.shared_tokens} tokens and {SHARED_OWN_TOKENS} of its own: both engines' prefix caches "
+            f"hold the shared blocks, and the moves send none of them), in mode `{args.mode}`. Stall: the "
             "client's gap at the hand-over minus the stream's usual gap, in ms and in usual gaps; "
             "the hand-over gap itself beside the one the target engine recorded (the source's last "
             f"token to the target's first, no router or client in it). {args.repeats} scenes each; target: "
