@@ -13,7 +13,8 @@ from shoal_protos import kv
 @pytest.mark.asyncio
 async def test_a_stopped_requests_calls_go_before_other_moves_pre_copies() -> None:
     """Eight moves at once: the last stage and release of a stopped request (its stream stalls
-    until they are done) must not wait behind the pre-copy stages queued before them."""
+    until they are done) must not wait behind the pre-copy stages or the tails (their requests
+    still decode) queued before them."""
     turns, order = Turns(), []
     holder_in, holder_out = asyncio.Event(), asyncio.Event()
 
@@ -34,6 +35,12 @@ async def test_a_stopped_requests_calls_go_before_other_moves_pre_copies() -> No
             ("hold", kv.Hold(request_id="b")),
             ("precopy-2", precopy),
             (
+                "tail",
+                kv.SendBlocks(
+                    request_id="d", migration_id="n", target="t", first_block=2, partial=True, running=True
+                ),
+            ),
+            (
                 "last-stage",
                 kv.SendBlocks(request_id="c", migration_id="m", target="t", first_block=2, partial=True),
             ),
@@ -43,7 +50,7 @@ async def test_a_stopped_requests_calls_go_before_other_moves_pre_copies() -> No
     await asyncio.sleep(0)  # every call waits for its turn
     holder_out.set()
     await asyncio.gather(holder, *queued)
-    assert order == ["holder", "last-stage", "release", "hold", "precopy-1", "precopy-2"]
+    assert order == ["holder", "last-stage", "release", "hold", "tail", "precopy-1", "precopy-2"]
 
 
 @pytest.mark.asyncio

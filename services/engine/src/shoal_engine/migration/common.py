@@ -94,9 +94,12 @@ class Turns:
 def call_priority(command: kv.AgentCommand) -> int:
     """Which of the calls waiting for the KV agent goes first. A stopped request waits for its
     last stage and its release (its stream is stalled until the target takes over), so those go
-    before the stops (holds) of other moves, which go before pre-copy stages and the rest: with
-    several moves at once, a move's stall is not spent behind other moves' pre-copies."""
+    before the stops (holds) and tails of other moves (their requests still decode), which go
+    before pre-copy stages and the rest: with several moves at once, a move's stall is not spent
+    behind other moves' sends."""
     if isinstance(command, kv.SendBlocks):
+        if command.running:
+            return 1
         return 0 if command.partial else 2
     if isinstance(command, kv.Release):
         return 0
