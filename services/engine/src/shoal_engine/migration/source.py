@@ -56,6 +56,7 @@ computes them with its first step instead of the block going again while the str
 Sending a block while stopped is what made several moves at once stall each other (each
 waited for the others' blocks over one engine's core); a few tokens more in a prefill cost
 less."""
+
 _ENCODER = RouterRequestEncoder()
 
 
