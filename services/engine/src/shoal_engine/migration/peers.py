@@ -46,7 +46,7 @@ MAX_CHANNELS = 32
 is closed."""
 
 
-def cached_blocks(snapshot: bytes | None) -> set[int]:
+def cached_blocks(snapshot: bytes | str | None) -> set[int]:
     """The blocks an engine's prefix-cache snapshot (``Keys.prefix_snapshot``) names; none
     without one."""
     if not snapshot:
@@ -122,7 +122,7 @@ class Peers:
                 raise MigrationError(f"engine {engine_id} cannot take migrations")
             return record
         ids = await self._engine_ids()
-        candidates: list[tuple[int, EngineRecord, bytes | None]] = []
+        candidates: list[tuple[int, EngineRecord, bytes | str | None]] = []
         now = time.monotonic()
         for other in ids:
             if other == self._engine_id or self._unreachable.get(other, 0.0) > now:
@@ -145,10 +145,10 @@ class Peers:
             return max(near, key=lambda c: c[0])[1]
         return max(near, key=lambda c: (leading(block_hashes, cached_blocks(c[2])), c[0]))[1]
 
-    async def prefix_snapshot(self, engine_id: str) -> bytes | None:
+    async def prefix_snapshot(self, engine_id: str) -> bytes | str | None:
         """``engine_id``'s prefix-cache snapshot as it is in Redis (None: none, or unreadable)."""
         try:
-            raw: bytes | None = await self._redis.get(self._keys.prefix_snapshot(engine_id))
+            raw: bytes | str | None = await self._redis.get(self._keys.prefix_snapshot(engine_id))
         except RedisError as exc:
             logger.info("no prefix-cache snapshot of %s: %s", engine_id, exc)
             return None
