@@ -7,8 +7,9 @@ own seams); the engine records and the owner record live in a real Redis."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,8 +440,9 @@ class _PreemptedOnce:
         return self._times
 
 
-def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_during() -> None:
-    backend = _PreemptedOnce()
+@contextlib.contextmanager
+def sim_agent(backend: object) -> Iterator[tuple[Callable[[kv.AgentCommand], kv.AgentReply], str]]:
+    """A simulated KV agent over ``backend``: a call on its control socket, and its data address."""
     control, data = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     agent = SimKvAgent(backend, control, data, BLOCK, BYTES_PER_BLOCK, bytes_per_s=1e9)  # type: ignore[arg-type]
     agent.start()
@@ -454,6 +456,16 @@ def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_
         return kv.agent_reply_decoder.decode(sock.recv())
 
     try:
+        yield call, data
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        agent.close()
+
+
+def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_during() -> None:
+    backend = _PreemptedOnce()
+    with sim_agent(backend) as (call, data):
         # Sent to its own data socket: its staging counts what arrives.
         backend.preempt = True
         lost = call(kv.SendBlocks("r", "m", data, 0))
@@ -468,10 +480,6 @@ def test_the_simulated_agent_stages_nothing_of_a_send_its_request_was_preempted_
             assert time.monotonic() < deadline, "the staged blocks never arrived"
             time.sleep(0.01)
         assert backend.staging.blocks("m") == 5  # the lost sends staged nothing
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-        agent.close()
 
 
 class _Stopped:
@@ -494,23 +502,11 @@ class _Stopped:
 def test_the_simulated_agent_lets_a_held_request_go_with_its_last_send() -> None:
     """As the real agent: ``release`` lets the held request's blocks go with the send."""
     backend = _Stopped()
-    control, data = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    agent = SimKvAgent(backend, control, data, BLOCK, BYTES_PER_BLOCK, bytes_per_s=1e9)  # type: ignore[arg-type]
-    agent.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.REQ)
-    sock.connect(control)
-    try:
-        sock.send(kv.encoder.encode(kv.SendBlocks("r", "m", data, 4, partial=True, release=True)))
-        assert sock.poll(5000), "the simulated agent did not answer"
-        sent = kv.agent_reply_decoder.decode(sock.recv())
+    with sim_agent(backend) as (call, data):
+        sent = call(kv.SendBlocks("r", "m", data, 4, partial=True, release=True))
         assert isinstance(sent, kv.SentBlocks) and (sent.next_block, sent.blocks) == (6, 2)
         assert sent.bytes == 2 * BYTES_PER_BLOCK
         assert backend.released == ["r"]
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-        agent.close()
 
 
 def test_the_source_pace_is_the_mean_time_between_the_steps_that_ended_in_a_window() -> None:

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import msgspec
@@ -239,11 +240,7 @@ class SourceMove:
         sent = count_stage(
             self.result,
             await self._agent.call(
-                kv.SendBlocks(
-                    request_id=self._request_id,
-                    migration_id=self.result.migration_id,
-                    target=self._kv_address,
-                    first_block=self._next_block,
+                self._send_blocks(
                     max_bytes_per_s=pace,
                     max_busy_share=share,
                     # A paced stage sends what it can in half a step deadline; later stages
@@ -316,19 +313,7 @@ class SourceMove:
     async def _tail(self) -> State:
         """Send what is written of the last blocks, the partly filled one too, while the
         request still decodes (``_last_stage`` sends nothing more if little was written since)."""
-        sent = count_stage(
-            self.result,
-            await self._agent.call(
-                kv.SendBlocks(
-                    request_id=self._request_id,
-                    migration_id=self.result.migration_id,
-                    target=self._kv_address,
-                    first_block=self._next_block,
-                    partial=True,
-                    running=True,
-                )
-            ),
-        )
+        sent = count_stage(self.result, await self._agent.call(self._send_blocks(partial=True, running=True)))
         if not sent.preempted and sent.blocks:
             self._tail_sent = (sent.next_block, sent.tokens_written)
         self._clock.mark("tail")
@@ -362,16 +347,7 @@ class SourceMove:
             self._clock.mark("last_stage")
             return State.COMMIT
         try:
-            sent = await self._agent.call(
-                kv.SendBlocks(
-                    request_id=self._request_id,
-                    migration_id=self.result.migration_id,
-                    target=self._kv_address,
-                    first_block=self._next_block,
-                    partial=True,
-                    release=True,
-                )
-            )
+            sent = await self._agent.call(self._send_blocks(partial=True, release=True))
         except BaseException:
             # The agent may not have had the call (a timeout, a cancel): release again.
             await self._agent.call(kv.Release(request_id=self._request_id))
@@ -418,6 +394,17 @@ class SourceMove:
         return State.DONE
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _send_blocks(self, **options: Any) -> kv.SendBlocks:
+        """The KV agent's command to send this move's blocks from ``_next_block`` on to the
+        target's staging area, with ``options`` (``kv.SendBlocks``'s fields)."""
+        return kv.SendBlocks(
+            request_id=self._request_id,
+            migration_id=self.result.migration_id,
+            target=self._kv_address,
+            first_block=self._next_block,
+            **options,
+        )
 
     def _block_hashes(self) -> list[int]:
         """The request's full blocks as a prefix cache names them (``chain_hashes``), short of
