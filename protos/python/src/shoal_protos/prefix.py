@@ -22,7 +22,7 @@ another ``epoch``) sends it back to the snapshot.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 
 import msgspec
 import numpy as np
@@ -101,6 +101,17 @@ def chain_hashes(
     up, down = _TABLES.powers(blocks)
     chained = up * (np.cumsum(own * down, dtype=np.uint64) + np.uint64(parent))
     return chained.tolist()  # type: ignore[no-any-return]
+
+
+def leading(block_hashes: Iterable[int], held: Container[int]) -> int:
+    """How many of a request's first blocks (``block_hashes``, first first) are in ``held``: as
+    many as a prefix-cache lookup would find."""
+    count = 0
+    for block in block_hashes:
+        if block not in held:
+            break
+        count += 1
+    return count
 
 
 class PrefixEvent(msgspec.Struct, omit_defaults=True, kw_only=True):

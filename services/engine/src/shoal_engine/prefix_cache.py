@@ -39,7 +39,7 @@ from vllm.distributed.kv_events import (
     KVEventBatch,
 )
 
-from shoal_protos.prefix import ROOT, PrefixEvent, PrefixSnapshot, chain_hashes, prefix_event_encoder
+from shoal_protos.prefix import ROOT, PrefixEvent, PrefixSnapshot, chain_hashes, leading, prefix_event_encoder
 from shoal_protos.records import Keys, json_encoder
 from shoal_protos.tasks import Supervisor
 
@@ -137,12 +137,7 @@ class CachedBlocks:
     def held_prefix(self, hashes: Iterable[int]) -> int:
         """How many of ``hashes`` (a request's chained block hashes, first block first) lead
         in the cache: a prefix-cache lookup would find that many blocks."""
-        held = 0
-        for block in hashes:
-            if block not in self._held:
-                break
-            held += 1
-        return held
+        return leading(hashes, self._held)
 
 
 class KvEventSubscriber:

@@ -22,7 +22,7 @@ from shoal_engine.migration.common import (
     MoveEndedError,
 )
 from shoal_engine.migration.drain import Drainer
-from shoal_engine.migration.peers import Peers, cached_blocks, leading
+from shoal_engine.migration.peers import Peers, cached_blocks
 from shoal_engine.migration.records import MoveLog
 from shoal_engine.migration.source import SourceMove, failure_code
 from shoal_engine.migration.target import TargetSide
@@ -32,7 +32,7 @@ from shoal_protos import engine_control_pb2 as pb
 from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
 from shoal_protos.moves import MoveCode
-from shoal_protos.prefix import chain_hashes
+from shoal_protos.prefix import chain_hashes, leading
 from shoal_protos.records import Keys
 from shoal_protos.tls import FleetTls
 

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import grpc
 import msgspec
@@ -21,7 +21,7 @@ from shoal_protos import engine_control_pb2_grpc as pb_grpc
 from shoal_protos import kv
 from shoal_protos.addresses import zmq_connect
 from shoal_protos.messages import AbortRequest, RouterRequestEncoder
-from shoal_protos.prefix import prefix_snapshot_decoder
+from shoal_protos.prefix import leading, prefix_snapshot_decoder
 from shoal_protos.records import (
     EngineRecord,
     EngineState,
@@ -55,16 +55,6 @@ def cached_blocks(snapshot: bytes | str | None) -> set[int]:
         return set(prefix_snapshot_decoder.decode(snapshot).blocks)
     except msgspec.DecodeError:
         return set()
-
-
-def leading(block_hashes: Iterable[int], held: set[int]) -> int:
-    """How many of a request's first blocks (``block_hashes``, first first) are in ``held``."""
-    count = 0
-    for block in block_hashes:
-        if block not in held:
-            break
-        count += 1
-    return count
 
 
 class Peers:
