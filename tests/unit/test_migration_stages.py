@@ -165,6 +165,20 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
+def _engine_record(engine_id: str, control_address: str) -> EngineRecord:
+    """Another engine's record in Redis, as a source of moves reads it."""
+    return EngineRecord(
+        engine_id=engine_id,
+        model="m",
+        zmq_address="tcp://127.0.0.1:3",
+        http_address="http://127.0.0.1:4",
+        max_model_len=4096,
+        protocol_version=PROTOCOL_VERSION,
+        started_at=time.time(),
+        control_address=control_address,
+    )
+
+
 def _sent(first: int, count: int, written: int, preempted: bool = False) -> kv.SentBlocks:
     return kv.SentBlocks(first + count, count, count * BYTES_PER_BLOCK, 0.001, written, preempted)
 
@@ -189,16 +203,7 @@ async def _move(
         **settings,
     )
     keys = Keys(config.cluster)
-    record = EngineRecord(
-        engine_id="target",
-        model="m",
-        zmq_address="tcp://127.0.0.1:3",
-        http_address="http://127.0.0.1:4",
-        max_model_len=4096,
-        protocol_version=PROTOCOL_VERSION,
-        started_at=time.time(),
-        control_address="127.0.0.1:5",
-    )
+    record = _engine_record("target", "127.0.0.1:5")
     await redis_client.set(keys.engine("target"), json_encoder.encode(record))
     metrics = metrics or EngineMetrics("source", "m")
     manager = MigrationManager(
@@ -801,16 +806,7 @@ async def test_a_target_left_to_the_source_is_one_with_room_that_holds_the_prefi
     hashes = chain_hashes(PROMPT, BLOCK)
 
     async def engine(engine_id: str, free: int, held: int) -> None:
-        record = EngineRecord(
-            engine_id=engine_id,
-            model="m",
-            zmq_address="tcp://127.0.0.1:3",
-            http_address="http://127.0.0.1:4",
-            max_model_len=4096,
-            protocol_version=PROTOCOL_VERSION,
-            started_at=time.time(),
-            control_address=f"{engine_id}:5",
-        )
+        record = _engine_record(engine_id, f"{engine_id}:5")
         load = LoadReport(engine_id=engine_id, seq=1, time=time.time(), kv_blocks_free=free)
         snapshot = PrefixSnapshot(epoch="e", seq=1, block_size=BLOCK, blocks=[*hashes[:held], 99])
         await redis_client.sadd(keys.engines, engine_id)
