@@ -95,7 +95,9 @@ def chain_hashes(
         blocks = min(blocks, limit)
     if blocks <= 0:
         return []
-    raw = array("q", token_ids[: blocks * block_size] if len(token_ids) > blocks * block_size else token_ids)
+    # Unsigned: CPython converts a list of ints to unsigned machine words several times faster
+    # than to signed ones, and this conversion is most of a long prompt's lookup.
+    raw = array("Q", token_ids[: blocks * block_size] if len(token_ids) > blocks * block_size else token_ids)
     tokens = np.frombuffer(raw, dtype=np.uint64).reshape(blocks, block_size)
     own = tokens @ _TABLES.position_keys(block_size)
     up, down = _TABLES.powers(blocks)
