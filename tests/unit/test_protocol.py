@@ -140,6 +140,12 @@ def test_batched_prompts_are_rejected(prompt: Any) -> None:
         completion(prompt=prompt)
 
 
+@pytest.mark.parametrize("prompt", [[5, -1], [[2**32]]], ids=["negative", "past-32-bits"])
+def test_token_ids_outside_32_bits_are_rejected(prompt: Any) -> None:
+    with pytest.raises(ValidationError, match="is not a token id"):
+        completion(prompt=prompt)
+
+
 def test_empty_prompt_list_is_rejected() -> None:
     with pytest.raises(ValidationError, match="prompt must not be empty"):
         completion(prompt=[])

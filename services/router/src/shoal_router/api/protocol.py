@@ -103,10 +103,23 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("prompt must not be empty")
         first = prompt[0]
         if isinstance(first, int):
-            return [int(t) for t in prompt]  # type: ignore[arg-type]
+            return _token_ids(prompt)  # type: ignore[arg-type]
         if len(prompt) != 1:
             raise ValueError("batched prompts are not supported; send one prompt per request")
-        return first if isinstance(first, str) else [int(t) for t in first]
+        return first if isinstance(first, str) else _token_ids(first)
+
+
+MAX_TOKEN_ID = 2**32 - 1
+"""Token ids travel as unsigned 32-bit numbers (the tokenizer's protocol); the vocabulary check
+is the tokenizer's."""
+
+
+def _token_ids(prompt: list[int]) -> list[int]:
+    ids = [int(t) for t in prompt]
+    if ids and not 0 <= min(ids) <= max(ids) <= MAX_TOKEN_ID:
+        bad = next(t for t in ids if not 0 <= t <= MAX_TOKEN_ID)
+        raise ValueError(f"token id {bad} is not a token id (0 to {MAX_TOKEN_ID})")
+    return ids
 
 
 class TextPart(BaseModel):
