@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 import tracemalloc
 
+import msgspec
+
 from shoal_protos.prefix import PrefixEvent, PrefixSnapshot, chain_hashes
 from shoal_router.core.prefix_index import PrefixIndex
 from shoal_router.core.scheduling import Ask, Scheduler
@@ -140,6 +142,24 @@ def test_an_overloaded_cached_engine_loses_to_a_cold_idle_one() -> None:
     # Under the cap, the cache wins over more room.
     busy = view("hot", running=1, kv_used=200, block_size=BLOCK)
     assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "hot"  # type: ignore[union-attr]
+
+
+def test_an_engine_with_many_batch_slots_keeps_its_cache_score_for_a_few_requests_more() -> None:
+    scheduler = Scheduler("prefix_cache", rng=random.Random(0))
+    assert scheduler.prefix_cache is not None
+    prompt = tokens(12, 20 * BLOCK)
+    scheduler.prefix_cache.index.load("hot", snapshot(chain_hashes(prompt, BLOCK)))
+    idle = view("idle", running=0, block_size=BLOCK)
+    # 10 requests against none: over the ratio's cap (7) and the least slack (mean 5 + 2).
+    busy = view("hot", running=10, kv_used=200, block_size=BLOCK)
+    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "idle"  # type: ignore[union-attr]
+    # With 256 batch slots its slack is 16: joining a batch of 10 costs less than the prompt.
+    busy.record = msgspec.structs.replace(busy.record, max_num_seqs=256)
+    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "hot"  # type: ignore[union-attr]
+    # And at 5 + 16 it is overloaded again.
+    busy = view("hot", running=42, kv_used=200, block_size=BLOCK)
+    busy.record = msgspec.structs.replace(busy.record, max_num_seqs=256)
+    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "idle"  # type: ignore[union-attr]
 
 
 def test_prefix_cache_is_a_scorer_and_a_profile() -> None:

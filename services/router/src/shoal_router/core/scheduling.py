@@ -32,10 +32,11 @@ Scorers:
 * ``prefix_cache``: the share of the prompt an engine's prefix cache already holds, as the
   engines' own KV events say (``prefix_index``): full blocks from the start of the prompt, in
   [0, 1]. Only engines under a bounded-load cap score (``(1 + epsilon)`` times the mean
-  requests, or the mean plus ``CACHE_SLACK``): a cached engine that is overloaded loses to a cold
-  idle one, whose freeness ``least_load`` scores. Under the cap the cache weighs heavily (the
-  profile's 8 to least-load's 1, whose score spans [0, 1] from the least free engine to the
-  freest): computing an eighth of the prompt again costs more than the load between them.
+  requests, or the mean plus a sixteenth of the engine's batch slots, ``cache_cap``): a cached
+  engine that is overloaded loses to a cold idle one, whose freeness ``least_load`` scores.
+  Under the cap the cache weighs heavily (the profile's 8 to least-load's 1, whose score spans
+  [0, 1] from the least free engine to the freest): computing an eighth of the prompt again
+  costs more than the load between them.
 
 Profiles (``--scheduler``): ``least_load`` (the default), ``round_robin``, ``prefix_affinity``
 (prefix 2, least_load 1), ``session_affinity`` (session 2, least_load 1), ``prefix_cache``
@@ -236,17 +237,29 @@ PROFILES: dict[str, str] = {
 }
 LOAD_EPSILON = 0.25
 """Cache scores count on engines under ``(1 + LOAD_EPSILON)`` times the mean requests (the cap
-``BoundedRing`` puts on affinity), or under ``CACHE_SLACK`` more than the mean."""
+``BoundedRing`` puts on affinity), or under the mean plus a slack (``cache_cap``)."""
 CACHE_SLACK = 2
-"""In a small fleet at light load the ratio alone sends a prompt away from its cache for one
-request more (two engines holding 2 and 0), where computing the prompt again costs more than
-joining a batch of a few."""
+"""The slack at least: in a small fleet at light load the ratio alone sends a prompt away from
+its cache for one request more (two engines holding 2 and 0), where computing the prompt again
+costs more than joining a batch of a few."""
+SLACK_PER_SLOT = 1 / 16
+"""The slack of an engine that says its batch slots (``max_num_seqs``): this share of them. An
+engine that batches hundreds of requests a step (a GPU) steps about as fast with a few more,
+while a prompt sent away from its cache is computed again whole; a slack of a few requests there
+sent a conversation's turns away from their history at light load."""
 
 
-def load_cap(views: Sequence[EngineView], epsilon: float = LOAD_EPSILON, slack: int = CACHE_SLACK) -> int:
-    """The cache scorer's cap: an engine at or over it takes no request for its cache's sake."""
+def cache_cap(views: Sequence[EngineView], epsilon: float = LOAD_EPSILON) -> list[EngineView]:
+    """The engines under the cache scorer's cap: one at or over it takes no request for its
+    cache's sake."""
     total = sum(v.held for v in views)
-    return max(math.ceil((1 + epsilon) * (total + 1) / len(views)), total // len(views) + slack)
+    ratio = math.ceil((1 + epsilon) * (total + 1) / len(views))
+    mean = total // len(views)
+    return [
+        v
+        for v in views
+        if v.held < max(ratio, mean + max(CACHE_SLACK, int(v.record.max_num_seqs * SLACK_PER_SLOT)))
+    ]
 
 
 @dataclass
@@ -260,8 +273,7 @@ class PrefixCache:
         length = len(ask.prompt_token_ids)
         if not length or not len(self.index):
             return {}
-        cap = load_cap(views)
-        under = [v.engine_id for v in views if v.held < cap]
+        under = [v.engine_id for v in cache_cap(views)]
         cached = self.index.cached_tokens(ask.prompt_token_ids, under)
         return {engine_id: tokens / length for engine_id, tokens in cached.items()}
 
