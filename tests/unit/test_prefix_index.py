@@ -51,6 +51,29 @@ def test_engines_of_other_block_sizes_are_matched_in_their_own_blocks() -> None:
     index.load("b16", snapshot(chain_hashes(prompt, 16), block_size=16))
     index.load("b128", snapshot(chain_hashes(prompt, 128), block_size=128))
     assert index.cached_tokens(prompt, ["b16", "b128"]) == {"b16": 288, "b128": 256}
+    assert index.block_sizes() == (16, 128)
+    index.drop("b128")
+    assert index.block_sizes() == (16,)
+
+
+def test_hashes_the_tokenizer_gave_are_looked_up_as_the_prompts_own() -> None:
+    """A prompt the tokenizer hashed (in 16-token blocks) finds what the same prompt hashed by
+    the router finds; sizes it did not hash are hashed here."""
+    prompt = tokens(13, 40 * BLOCK + 3)
+    hashes = chain_hashes(prompt, BLOCK)
+    index = PrefixIndex()
+    index.load("whole", snapshot(hashes))
+    index.load("half", snapshot(hashes[:20]))
+    index.load("holed", snapshot(hashes[:7] + hashes[8:]))
+    index.load("b128", snapshot(chain_hashes(prompt, 128), block_size=128))
+    engines = ["whole", "half", "holed", "b128"]
+    expected = {"whole": 640, "half": 320, "holed": 112, "b128": 640}
+    assert index.cached_tokens(prompt, engines) == expected
+    assert index.cached_tokens(prompt, engines, {BLOCK: hashes}) == expected
+    # The lookup reads the hashes it is given: others name other blocks.
+    assert index.cached_tokens(prompt, engines, {BLOCK: hashes[:1] + [7] * 39}) == {
+        "whole": 16, "half": 16, "holed": 16, "b128": 640,
+    }  # fmt: skip
 
 
 def test_events_apply_in_order_and_a_gap_or_another_epoch_is_refused() -> None:
@@ -125,6 +148,9 @@ def test_prefix_cache_places_a_prompt_where_its_prefix_is_cached() -> None:
     views = [view(f"e{i}", running=2, kv_used=100, block_size=BLOCK) for i in range(4)]
     picks = {scheduler.pick(Ask("m", [*prompt, 1, 2]), views).engine_id for _ in range(20)}  # type: ignore[union-attr]
     assert picks == {"e1"}
+    # The same with the hashes the tokenizer sent along.
+    hashed = Ask("m", [*prompt, 1, 2], block_hashes={BLOCK: chain_hashes(prompt, BLOCK)})
+    assert scheduler.pick(hashed, views).engine_id == "e1"  # type: ignore[union-attr]
     # A prompt nobody holds: least load decides (e3 has the most room).
     views[3] = view("e3", running=0, block_size=BLOCK)
     assert {scheduler.pick(Ask("m", tokens(10, 64)), views).engine_id for _ in range(20)} == {"e3"}  # type: ignore[union-attr]

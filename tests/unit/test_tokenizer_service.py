@@ -1,6 +1,7 @@
 """The tokenizer service with SmolLM2's real tokenizer behind a real gRPC server: a prompt of
-megabytes is tokenized off the server's event loop (the loop goes on answering meanwhile), and
-input over the size limit is refused with INVALID_ARGUMENT before any work."""
+megabytes is tokenized off the server's event loop (the loop goes on answering meanwhile),
+input over the size limit is refused with INVALID_ARGUMENT before any work, and the prompt's
+blocks are hashed in the block sizes asked for."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
+from shoal_protos.prefix import chain_hashes
 from shoal_tokenizer import main as tokenizer_main
 from shoal_tokenizer.config import pod_cpus
 from shoal_tokenizer.service import load_model
@@ -83,6 +85,29 @@ async def test_input_over_the_limit_is_refused_with_a_clear_reason(stub: pb_grpc
                 await call(request)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"over this tokenizer's limit of {LIMIT:,}" in (refused.value.details() or "")
+
+
+async def test_the_prompts_blocks_are_hashed_in_each_block_size_asked_for(
+    stub: pb_grpc.TokenizerStub,
+) -> None:
+    text = "the same words again and again, " * 200
+    reply = await stub.Tokenize(
+        pb.TokenizeRequest(model="smol", text=text, add_special_tokens=False, block_sizes=[16, 128, 16])
+    )
+    ids = list(reply.token_ids)
+    assert len(ids) > 1000
+    assert [b.block_size for b in reply.block_hashes] == [16, 128]
+    for blocks in reply.block_hashes:
+        assert list(blocks.hashes) == chain_hashes(ids, blocks.block_size)
+        assert len(blocks.hashes) == len(ids) // blocks.block_size
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=text)], add_generation_prompt=True)
+    reply = await stub.Tokenize(pb.TokenizeRequest(model="smol", chat=chat, block_sizes=[16]))
+    assert list(reply.block_hashes[0].hashes) == chain_hashes(list(reply.token_ids), 16)
+    assert not (await stub.Tokenize(pb.TokenizeRequest(model="smol", text=text))).block_hashes
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Tokenize(pb.TokenizeRequest(model="smol", text=text, block_sizes=[0]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "block sizes must be 1 to 65536" in (refused.value.details() or "")
 
 
 def test_the_threads_default_to_the_cpus_this_process_may_use() -> None:

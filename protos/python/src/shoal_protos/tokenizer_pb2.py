@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshoal_protos/tokenizer.proto\x12\x12shoal.tokenizer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"`\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.shoal.tokenizer.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x87\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\x04\x63hat\x18\x03 \x01(\x0b\x32 .shoal.tokenizer.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"$\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x42\x0f\n\r_bos_token_id2\xf1\x02\n\tTokenizer\x12U\n\x08Tokenize\x12#.shoal.tokenizer.v1.TokenizeRequest\x1a$.shoal.tokenizer.v1.TokenizeResponse\x12[\n\nDetokenize\x12%.shoal.tokenizer.v1.DetokenizeRequest\x1a&.shoal.tokenizer.v1.DetokenizeResponse\x12[\n\x0b\x43ountTokens\x12#.shoal.tokenizer.v1.TokenizeRequest\x1a\'.shoal.tokenizer.v1.CountTokensResponse\x12S\n\x0cGetModelInfo\x12$.shoal.tokenizer.v1.ModelInfoRequest\x1a\x1d.shoal.tokenizer.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cshoal_protos/tokenizer.proto\x12\x12shoal.tokenizer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"`\n\x0c\x43hatMessages\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.shoal.tokenizer.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x9c\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\x04\x63hat\x18\x03 \x01(\x0b\x32 .shoal.tokenizer.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12\x13\n\x0b\x62lock_sizes\x18\x05 \x03(\rB\x07\n\x05input\"l\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x35\n\x0c\x62lock_hashes\x18\x03 \x03(\x0b\x32\x1f.shoal.tokenizer.v1.BlockHashes\"1\n\x0b\x42lockHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x0e\n\x06hashes\x18\x02 \x03(\x06\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"$\n\x13\x43ountTokensResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"!\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x42\x0f\n\r_bos_token_id2\xf1\x02\n\tTokenizer\x12U\n\x08Tokenize\x12#.shoal.tokenizer.v1.TokenizeRequest\x1a$.shoal.tokenizer.v1.TokenizeResponse\x12[\n\nDetokenize\x12%.shoal.tokenizer.v1.DetokenizeRequest\x1a&.shoal.tokenizer.v1.DetokenizeResponse\x12[\n\x0b\x43ountTokens\x12#.shoal.tokenizer.v1.TokenizeRequest\x1a\'.shoal.tokenizer.v1.CountTokensResponse\x12S\n\x0cGetModelInfo\x12$.shoal.tokenizer.v1.ModelInfoRequest\x1a\x1d.shoal.tokenizer.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=98
   _globals['_CHATMESSAGES']._serialized_end=194
   _globals['_TOKENIZEREQUEST']._serialized_start=197
-  _globals['_TOKENIZEREQUEST']._serialized_end=332
-  _globals['_TOKENIZERESPONSE']._serialized_start=334
-  _globals['_TOKENIZERESPONSE']._serialized_end=387
-  _globals['_DETOKENIZEREQUEST']._serialized_start=389
-  _globals['_DETOKENIZEREQUEST']._serialized_end=471
-  _globals['_DETOKENIZERESPONSE']._serialized_start=473
-  _globals['_DETOKENIZERESPONSE']._serialized_end=507
-  _globals['_COUNTTOKENSRESPONSE']._serialized_start=509
-  _globals['_COUNTTOKENSRESPONSE']._serialized_end=545
-  _globals['_MODELINFOREQUEST']._serialized_start=547
-  _globals['_MODELINFOREQUEST']._serialized_end=580
-  _globals['_MODELINFO']._serialized_start=583
-  _globals['_MODELINFO']._serialized_end=746
-  _globals['_TOKENIZER']._serialized_start=749
-  _globals['_TOKENIZER']._serialized_end=1118
+  _globals['_TOKENIZEREQUEST']._serialized_end=353
+  _globals['_TOKENIZERESPONSE']._serialized_start=355
+  _globals['_TOKENIZERESPONSE']._serialized_end=463
+  _globals['_BLOCKHASHES']._serialized_start=465
+  _globals['_BLOCKHASHES']._serialized_end=514
+  _globals['_DETOKENIZEREQUEST']._serialized_start=516
+  _globals['_DETOKENIZEREQUEST']._serialized_end=598
+  _globals['_DETOKENIZERESPONSE']._serialized_start=600
+  _globals['_DETOKENIZERESPONSE']._serialized_end=634
+  _globals['_COUNTTOKENSRESPONSE']._serialized_start=636
+  _globals['_COUNTTOKENSRESPONSE']._serialized_end=672
+  _globals['_MODELINFOREQUEST']._serialized_start=674
+  _globals['_MODELINFOREQUEST']._serialized_end=707
+  _globals['_MODELINFO']._serialized_start=710
+  _globals['_MODELINFO']._serialized_end=873
+  _globals['_TOKENIZER']._serialized_start=876
+  _globals['_TOKENIZER']._serialized_end=1245
 # @@protoc_insertion_point(module_scope)

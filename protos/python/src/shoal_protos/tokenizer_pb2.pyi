@@ -23,24 +23,36 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "text", "chat", "add_special_tokens")
+    __slots__ = ("model", "text", "chat", "add_special_tokens", "block_sizes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZES_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: ChatMessages
     add_special_tokens: bool
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    block_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., block_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "prompt")
+    __slots__ = ("token_ids", "prompt", "block_hashes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedCompositeFieldContainer[BlockHashes]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., block_hashes: _Optional[_Iterable[_Union[BlockHashes, _Mapping]]] = ...) -> None: ...
+
+class BlockHashes(_message.Message):
+    __slots__ = ("block_size", "hashes")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_size: _Optional[int] = ..., hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("model", "token_ids", "skip_special_tokens")

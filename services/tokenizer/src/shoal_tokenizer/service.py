@@ -26,10 +26,14 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
+from shoal_protos.prefix import chain_hashes
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MAX_BLOCK_SIZE = 65536
+"""The largest KV block size a prompt's blocks are hashed in (vLLM's are a few hundred at most)."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,18 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     async def Tokenize(  # noqa: N802 (gRPC method name)
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
+        sizes = list(dict.fromkeys(request.block_sizes))
+        if not all(1 <= size <= MAX_BLOCK_SIZE for size in sizes):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block sizes must be 1 to {MAX_BLOCK_SIZE} tokens, not {sorted(sizes)}",
+            )
         ids, prompt = await self._encode(request, context)
-        return pb.TokenizeResponse(token_ids=ids, prompt=prompt)
+        blocks = [
+            pb.BlockHashes(block_size=size, hashes=await self._off_loop(chain_hashes, ids, size))
+            for size in sizes
+        ]
+        return pb.TokenizeResponse(token_ids=ids, prompt=prompt, block_hashes=blocks)
 
     async def CountTokens(  # noqa: N802
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

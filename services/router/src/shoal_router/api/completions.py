@@ -28,7 +28,7 @@ from shoal_router.api.serving import Generation, GenerationHandle
 from shoal_router.core.outputs import RequestDelta
 from shoal_router.core.ratelimit import ApiKey, RateLimiter
 from shoal_router.errors import InvalidRequestError, PriorityNotAllowedError, TooManyRequestsError
-from shoal_router.ipc.tokenizing import TokenizerClient
+from shoal_router.ipc.tokenizing import Tokenized, TokenizerClient
 
 ENGINE_HEADER = "X-Shoal-Engine"
 """Response header naming the engine that produced the first tokens (for operators and tests)."""
@@ -82,18 +82,20 @@ class GenerationRoutes:
         body = await request_body(request, CompletionRequest)
         self._generation.check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt_ids = await self._tokenizer.tokenize_text(body.model, body.prompt)
+            prompt = await self._tokenizer.tokenize_text(
+                body.model, body.prompt, self._generation.block_sizes()
+            )
         else:
-            prompt_ids = list(body.prompt)  # type: ignore[arg-type]
+            prompt = Tokenized(list(body.prompt))  # type: ignore[arg-type]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await self._generate(request, body, prompt_ids, max_tokens, chat=False)
+        return await self._generate(request, body, prompt, max_tokens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await request_body(request, ChatCompletionRequest)
         self._generation.check_model(body.model)
         messages = [(m.role, m.text()) for m in body.messages]
-        prompt_ids = await self._tokenizer.tokenize_chat(body.model, messages)
-        return await self._generate(request, body, prompt_ids, body.output_limit(), chat=True)
+        prompt = await self._tokenizer.tokenize_chat(body.model, messages, self._generation.block_sizes())
+        return await self._generate(request, body, prompt, body.output_limit(), chat=True)
 
     def _sampling(self, body: Body, prompt_len: int, max_tokens: int | None) -> SamplingOptions:
         return self._generation.sampling(
@@ -126,8 +128,9 @@ class GenerationRoutes:
         return functools.partial(self._rate_limiter.charge, caller)
 
     async def _generate(
-        self, request: Request, body: Body, prompt_ids: list[int], max_tokens: int | None, chat: bool
+        self, request: Request, body: Body, prompt: Tokenized, max_tokens: int | None, chat: bool
     ) -> Response:
+        prompt_ids = prompt.ids
         sampling = self._sampling(body, len(prompt_ids), max_tokens)
         charge = self._admit(request, body, len(prompt_ids))
         session = request.headers.get(self._generation.session_header)
@@ -136,7 +139,13 @@ class GenerationRoutes:
         try:
             async with connected:
                 handle = await self._generation.start(
-                    body.model, prompt_ids, sampling, on_close=charge, session=session, priority=body.priority
+                    body.model,
+                    prompt_ids,
+                    sampling,
+                    on_close=charge,
+                    session=session,
+                    priority=body.priority,
+                    block_hashes=prompt.block_hashes,
                 )
                 deltas = handle.deltas()
                 # Wait for the first output before answering, so that an engine refusing the

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from shoal_protos.messages import AddRequest, FinishReason, PieceError, SamplingOptions
 from shoal_router.core.admission import Admission
@@ -81,6 +81,12 @@ class Generation:
     def served_models(self) -> list[str]:
         return sorted(set(self._configured) | self.fleet.models())
 
+    def block_sizes(self) -> tuple[int, ...]:
+        """The block sizes a prompt's blocks are looked up in, for the tokenizer to hash them in
+        (none unless the scheduler reads the engines' prefix caches)."""
+        cache = self.scheduler.prefix_cache
+        return cache.index.block_sizes() if cache is not None else ()
+
     def check_model(self, model: str) -> None:
         if model not in self._configured and model not in self.fleet.models():
             raise ModelNotFoundError(model, self.served_models())
@@ -125,12 +131,14 @@ class Generation:
         on_close: Callable[[int], None] | None = None,
         session: str | None = None,
         priority: int = 0,
+        block_hashes: Mapping[int, Sequence[int]] | None = None,
     ) -> GenerationHandle:
         """Admit the request (waiting in line for a slot if the router is full) and send it to
         an engine; the handle gives the slot back when it closes, and calls ``on_close`` with
         the output tokens it delivered. ``session`` (a client's session header) is what
         session affinity keys on; ``priority`` goes to the engine (below 0: a priority
-        request)."""
+        request); ``block_hashes``, the prompt's blocks as the tokenizer hashed them, spare
+        dispatch hashing them."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         await self.admission.enter()
@@ -143,6 +151,7 @@ class Generation:
                 AddRequest("", prompt_token_ids, sampling, self.engines.reply_to, priority=priority),
                 on_close,
                 session,
+                block_hashes,
             )
             if self.held is None or priority < 0:  # a priority request has its KV headroom
                 handle.dispatch()
@@ -217,9 +226,11 @@ class GenerationHandle:
         add: AddRequest,
         on_close: Callable[[int], None] | None = None,
         session: str | None = None,
+        block_hashes: Mapping[int, Sequence[int]] | None = None,
     ) -> None:
         self._gen = generation
         self._session = session
+        self._block_hashes = block_hashes or None
         self._on_close = on_close
         self.model = model
         self.request_id = request_id
@@ -254,10 +265,10 @@ class GenerationHandle:
     def ask(self) -> Ask:
         """What dispatch weighs: the request's context, session and the engines it failed on."""
         add = self._add
-        context = add.prompt_token_ids
         if add.output_token_ids:  # resumed: the engine takes in the tokens delivered too
-            context = [*context, *add.output_token_ids]
-        return Ask(self.model, context, self._session, self._failed)
+            context = [*add.prompt_token_ids, *add.output_token_ids]
+            return Ask(self.model, context, self._session, self._failed)
+        return Ask(self.model, add.prompt_token_ids, self._session, self._failed, self._block_hashes)
 
     def dispatch(self, view: EngineView | None = None) -> None:
         """Send the request to ``view``, or to the engine dispatch picks now."""

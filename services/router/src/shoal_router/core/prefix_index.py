@@ -14,7 +14,8 @@ leave.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shoal_protos.prefix import ROOT, PrefixEvent, PrefixSnapshot, chain_hashes
@@ -41,6 +42,8 @@ class PrefixIndex:
         self.max_blocks = max_blocks
         self._holders: dict[int, int] = {}
         self._engines: dict[str, _Engine] = {}
+        self._sizes: Counter[int] = Counter()
+        """The engines' block sizes, each with how many engines have it."""
         self._free_slots: list[int] = []
         self._next_slot = 0
         self.dropped = 0
@@ -55,6 +58,7 @@ class PrefixIndex:
             self._take_slot(), snapshot.block_size, snapshot.epoch, snapshot.seq, snapshot.stream_id
         )
         self._engines[engine_id] = engine
+        self._sizes[engine.block_size] += 1
         self._store(engine, snapshot.blocks)
 
     def apply(self, engine_id: str, event: PrefixEvent, stream_id: str) -> bool:
@@ -82,6 +86,9 @@ class PrefixIndex:
         if engine is None:
             return
         self._remove(engine, list(engine.blocks))
+        self._sizes[engine.block_size] -= 1
+        if not self._sizes[engine.block_size]:
+            del self._sizes[engine.block_size]
         self._free_slots.append(engine.slot)
 
     def _take_slot(self) -> int:
@@ -128,6 +135,10 @@ class PrefixIndex:
     def engines(self) -> list[str]:
         return list(self._engines)
 
+    def block_sizes(self) -> tuple[int, ...]:
+        """The engines' block sizes (a prompt is looked up in each)."""
+        return tuple(self._sizes)
+
     def held(self, engine_id: str) -> int:
         """Blocks the engine holds, as indexed."""
         engine = self._engines.get(engine_id)
@@ -137,9 +148,15 @@ class PrefixIndex:
         """Distinct blocks indexed."""
         return len(self._holders)
 
-    def cached_tokens(self, token_ids: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:
+    def cached_tokens(
+        self,
+        token_ids: Sequence[int],
+        engine_ids: Iterable[str],
+        hashed: Mapping[int, Sequence[int]] | None = None,
+    ) -> dict[str, int]:
         """Of ``engine_ids``, those whose prefix cache holds the prompt's first blocks, and how
-        many of its tokens they hold (full blocks, in each engine's own block size)."""
+        many of its tokens they hold (full blocks, in each engine's own block size). ``hashed``:
+        the prompt's block hashes in some block sizes, already computed (by the tokenizer)."""
         by_size: dict[int, dict[int, str]] = {}
         for engine_id in engine_ids:
             engine = self._engines.get(engine_id)
@@ -147,33 +164,44 @@ class PrefixIndex:
                 by_size.setdefault(engine.block_size, {})[engine.slot] = engine_id
         found: dict[str, int] = {}
         for block_size, slots in by_size.items():
-            for slot, blocks in self._matched(token_ids, block_size, slots).items():
+            hashes = hashed.get(block_size) if hashed else None
+            batches = [hashes] if hashes is not None else _batches(token_ids, block_size)
+            for slot, blocks in self._matched(batches, slots).items():
                 found[slots[slot]] = blocks * block_size
         return found
 
-    def _matched(self, token_ids: Sequence[int], block_size: int, slots: dict[int, str]) -> dict[int, int]:
-        """Leading blocks of the prompt each slot's engine holds (only those holding one)."""
+    def _matched(self, batches: Iterable[Sequence[int]], slots: dict[int, str]) -> dict[int, int]:
+        """Leading blocks of the prompt (its block hashes, a batch at a time) each slot's
+        engine holds (only those holding one)."""
         alive = 0
         for slot in slots:
             alive |= 1 << slot
         holders = self._holders
         matched: dict[int, int] = {}
-        total = len(token_ids) // block_size
-        done, parent = 0, ROOT
-        while alive and done < total:
-            start = done * block_size
-            batch = chain_hashes(token_ids[start : start + HASH_BATCH * block_size], block_size, parent)
+        done = 0
+        for batch in batches:
             for block in batch:
                 still = alive & holders.get(block, 0)
                 if still != alive:
                     _record(alive & ~still, done, matched)
                     alive = still
                     if not alive:
-                        break
+                        return matched
                 done += 1
-            parent = batch[-1]
         _record(alive, done, matched)
         return matched
+
+
+def _batches(token_ids: Sequence[int], block_size: int) -> Iterator[list[int]]:
+    """The hashes of the prompt's full blocks, ``HASH_BATCH`` at a time, hashed as they are
+    asked for."""
+    total = len(token_ids) // block_size
+    done, parent = 0, ROOT
+    while done < total:
+        start = done * block_size
+        batch = chain_hashes(token_ids[start : start + HASH_BATCH * block_size], block_size, parent)
+        yield batch
+        done, parent = done + len(batch), batch[-1]
 
 
 def _record(mask: int, blocks: int, matched: dict[int, int]) -> None:

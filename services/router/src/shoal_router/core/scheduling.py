@@ -53,7 +53,7 @@ import itertools
 import math
 import random
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shoal_protos.records import EngineState
@@ -77,6 +77,9 @@ class Ask:
     prompt_token_ids: Sequence[int]
     session: str | None = None
     exclude: frozenset[str] | set[str] = frozenset()
+    block_hashes: Mapping[int, Sequence[int]] | None = None
+    """The prompt's full blocks by chained hash, per block size, where the tokenizer hashed
+    them (``prefix_cache`` hashes the prompt itself in the sizes missing)."""
 
     def blocks_on(self, view: EngineView) -> int:
         """The KV blocks the prompt takes on the engine of ``view`` (in that engine's blocks)."""
@@ -274,7 +277,7 @@ class PrefixCache:
         if not length or not len(self.index):
             return {}
         under = [v.engine_id for v in cache_cap(views)]
-        cached = self.index.cached_tokens(ask.prompt_token_ids, under)
+        cached = self.index.cached_tokens(ask.prompt_token_ids, under, ask.block_hashes)
         return {engine_id: tokens / length for engine_id, tokens in cached.items()}
 
 

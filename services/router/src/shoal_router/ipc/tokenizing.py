@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -15,6 +16,14 @@ REPLY_MAX_BYTES = 64 << 20
 text of the longest input the tokenizer takes by default)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    ids: list[int]
+    block_hashes: dict[int, list[int]] = field(default_factory=dict)
+    """The prompt's full blocks by Shoal's chained hash (``shoal_protos.prefix.chain_hashes``),
+    per block size asked for; a tokenizer that predates them gives none."""
+
+
 class TokenizerClient:
     def __init__(self, address: str, timeout_s: float) -> None:
         self._channel = grpc.aio.insecure_channel(
@@ -23,23 +32,30 @@ class TokenizerClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._timeout_s = timeout_s
 
-    async def tokenize_text(self, model: str, text: str) -> list[int]:
-        request = pb.TokenizeRequest(model=model, text=text, add_special_tokens=True)
+    async def tokenize_text(self, model: str, text: str, block_sizes: Sequence[int] = ()) -> Tokenized:
+        """The text's token ids, and its blocks hashed in each of ``block_sizes``."""
+        request = pb.TokenizeRequest(model=model, text=text, add_special_tokens=True, block_sizes=block_sizes)
         return await self._tokenize(request, param="prompt")
 
-    async def tokenize_chat(self, model: str, messages: Sequence[tuple[str, str]]) -> list[int]:
+    async def tokenize_chat(
+        self, model: str, messages: Sequence[tuple[str, str]], block_sizes: Sequence[int] = ()
+    ) -> Tokenized:
+        """The messages' token ids (the model's chat template), and their blocks hashed in each
+        of ``block_sizes``."""
         chat = pb.ChatMessages(
             messages=[pb.ChatMessage(role=role, content=content) for role, content in messages],
             add_generation_prompt=True,
         )
-        return await self._tokenize(pb.TokenizeRequest(model=model, chat=chat), param="messages")
+        request = pb.TokenizeRequest(model=model, chat=chat, block_sizes=block_sizes)
+        return await self._tokenize(request, param="messages")
 
-    async def _tokenize(self, request: pb.TokenizeRequest, param: str) -> list[int]:
+    async def _tokenize(self, request: pb.TokenizeRequest, param: str) -> Tokenized:
         try:
             response = await self._stub.Tokenize(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _map_error(exc, param) from None
-        return list(response.token_ids)
+        hashed = {blocks.block_size: list(blocks.hashes) for blocks in response.block_hashes}
+        return Tokenized(list(response.token_ids), hashed)
 
     async def model_info(self, model: str) -> pb.ModelInfo:
         try:
