@@ -99,6 +99,29 @@ def test_several_crowded_engines_are_paired_with_the_freest_in_order() -> None:
     assert moves(bounded, fleet) == [("a", "d")]
 
 
+def test_a_move_goes_to_the_nearly_freest_engine_whose_cache_shares_most_with_its_source() -> None:
+    fleet = [
+        view("a", running=6, used=700),  # the source
+        view("b", running=1, used=400),  # much less free than the freest: never its target
+        view("c", running=1, used=150),  # nearly as free as d
+        view("d", running=1, used=0),  # the freest
+    ]
+    shares = {("a", "b"): 900, ("a", "c"): 300, ("a", "d"): 10}
+    policy = BalancePolicy(threshold=0.1, patience=1, max_concurrent=1)
+
+    def shared(one: str, other: str) -> int:
+        return shares.get((one, other), 0)
+
+    assert moves(Balancer(policy, shared=shared), fleet) == [("a", "c")]
+    # Without an index, or when nothing is shared, the freest.
+    assert moves(Balancer(policy), fleet) == [("a", "d")]
+    assert moves(Balancer(policy, shared=lambda one, other: 0), fleet) == [("a", "d")]
+    # The next crowded engine gets the freest left.
+    fleet.insert(1, view("e", running=5, used=650))
+    both = BalancePolicy(threshold=0.1, patience=1, max_concurrent=2)
+    assert moves(Balancer(both, shared=shared), fleet) == [("a", "c"), ("e", "d")]
+
+
 def consolidating(below: float = 0.5, release: float = 0.7, **policy: float) -> Balancer:
     return Balancer(
         BalancePolicy(threshold=0.1, patience=1, max_concurrent=4, consolidate_below=below,

@@ -148,9 +148,10 @@ def _generation(config: RouterConfig, clients: _Clients) -> Generation:
     return generation
 
 
-def _rebalancer(config: RouterConfig, clients: _Clients) -> Rebalancer:
+def _rebalancer(config: RouterConfig, clients: _Clients, generation: Generation) -> Rebalancer:
     """The leader's balancing loop (``--balance``)."""
     keys = Keys(config.cluster)
+    cache = generation.scheduler.prefix_cache
 
     def engine_views() -> Iterable[EngineView]:
         return clients.fleet.engines.values()
@@ -169,6 +170,7 @@ def _rebalancer(config: RouterConfig, clients: _Clients) -> Rebalancer:
         client=clients.redis,
         keys=keys,
         tls=clients.fleet_tls,
+        shared=cache.index.shared if cache is not None else None,
     )
 
 
@@ -184,7 +186,9 @@ def _lifespan(
             supervisor.start(clients.fleet.poll_forever(config.fleet_poll_interval_s), "fleet-poll"),
         ]
         if config.balance:
-            tasks.append(supervisor.start(_rebalancer(config, clients).run_forever(), "rebalance"))
+            tasks.append(
+                supervisor.start(_rebalancer(config, clients, generation).run_forever(), "rebalance")
+            )
         if generation.scheduler.prefix_cache is not None:
             reader = PrefixEventReader(
                 clients.redis,

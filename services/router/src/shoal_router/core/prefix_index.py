@@ -144,6 +144,13 @@ class PrefixIndex:
         engine = self._engines.get(engine_id)
         return 0 if engine is None else len(engine.blocks)
 
+    def shared(self, engine_a: str, engine_b: str) -> int:
+        """Blocks both engines hold (0 when either is unknown or their block sizes differ)."""
+        a, b = self._engines.get(engine_a), self._engines.get(engine_b)
+        if a is None or b is None or a.block_size != b.block_size:
+            return 0
+        return len(a.blocks & b.blocks)
+
     def __len__(self) -> int:
         """Distinct blocks indexed."""
         return len(self._holders)

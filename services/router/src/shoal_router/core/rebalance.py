@@ -15,7 +15,10 @@ slot), so no engine preempts while another idles.
   ``patience`` checks in a row, and its crowded engine runs at least two requests (moving a
   lone request only moves the load), the leader asks the crowded engine to move one request
   there (``Migrate`` with no request id: the engine picks the one
-  with the least KV to copy) with reason ``balance``.
+  with the least KV to copy) with reason ``balance``. A router that indexes the engines' prefix
+  caches sends the move, of the engines nearly as free as the freest, to the one whose cache
+  shares most blocks with the crowded engine's: the likeliest to hold the prefix of the request
+  moved, so the least to copy.
 * **Consolidation** (with ``consolidate_below`` set). While a model's load (its KV blocks in
   use, and its requests per batch slot where engines say their batch size) would stay under
   ``consolidate_below`` of what the engines left hold, the leader marks its least-loaded engine
@@ -152,11 +155,23 @@ def _load(engines: list[EngineView], over: list[EngineView]) -> float:
     return load
 
 
+NEAR_FREEST = 0.75
+"""A balancing move may go to an engine with this share of the freest engine's freeness (and a
+lead over its source past the threshold) when its prefix cache shares more with the source's."""
+CANDIDATES = 4
+"""The freest engines weighed as a move's target by what their caches share with its source."""
+
+
 @dataclass
 class Balancer:
     """Decides the moves (no IO): ``decide`` is called once per check."""
 
     policy: BalancePolicy = field(default_factory=BalancePolicy)
+    shared: Callable[[str, str], int] | None = None
+    """KV blocks two engines' prefix caches both hold (the router's prefix index), where the
+    router keeps one; else a move goes to the freest engine. A source's running requests' full
+    blocks are in its cache, so a target sharing many is likelier to hold the prefix of the
+    request the source moves (the one with the least left to copy there)."""
     _streak: dict[tuple[str, str], int] = field(default_factory=dict)
     _resting_until: dict[str, float] = field(default_factory=dict)
     in_flight: int = 0
@@ -183,16 +198,16 @@ class Balancer:
             staying = [v for v in awake if v.engine_id not in self.emptying]
             moves += self._consolidate(awake, staying, len(moves))
             ranked = sorted(staying, key=relative_freeness)
-            low, high = 0, len(ranked) - 1
-            while low < high and self.in_flight + len(moves) < self.policy.max_concurrent:
-                source, target = ranked[low], ranked[high]
-                if relative_freeness(target) - relative_freeness(source) <= self.policy.threshold:
+            low = 0
+            while low < len(ranked) - 1 and self.in_flight + len(moves) < self.policy.max_concurrent:
+                source = ranked[low]
+                if relative_freeness(ranked[-1]) - relative_freeness(source) <= self.policy.threshold:
                     break
                 assert source.report is not None
                 low += 1
                 if source.report.num_running < 2:
                     continue  # moving a lone request only moves the load
-                high -= 1
+                target = ranked.pop(self._target(source, ranked, low))
                 pair = (source.engine_id, target.engine_id)
                 streaks[pair] = self._streak.get(pair, 0) + 1
                 if streaks[pair] >= self.policy.patience:
@@ -200,6 +215,26 @@ class Balancer:
                     streaks.pop(pair)
         self._streak = streaks
         return moves
+
+    def _target(self, source: EngineView, ranked: list[EngineView], first: int) -> int:
+        """Where in ``ranked`` (by freeness, from ``first`` on) the move off ``source`` goes: the
+        freest engine, or, of the ``CANDIDATES`` freest that are nearly as free and lead the
+        source past the threshold, the one sharing most cached blocks with it (the freer of
+        equals)."""
+        last = len(ranked) - 1
+        if self.shared is None:
+            return last
+        floor = max(
+            NEAR_FREEST * relative_freeness(ranked[last]), relative_freeness(source) + self.policy.threshold
+        )
+        best, most = last, self.shared(source.engine_id, ranked[last].engine_id)
+        for i in range(last - 1, max(first, last - CANDIDATES + 1) - 1, -1):
+            if relative_freeness(ranked[i]) <= floor:
+                break
+            shared = self.shared(source.engine_id, ranked[i].engine_id)
+            if shared > most:
+                best, most = i, shared
+        return best
 
     def _mark(self, engines: list[EngineView]) -> None:
         """Mark one more engine of a model for emptying, or give the last one back, by the
@@ -269,13 +304,15 @@ class Rebalancer:
         client: aioredis.Redis | None = None,
         keys: Keys | None = None,
         tls: FleetTls | None = None,
+        shared: Callable[[str, str], int] | None = None,
     ) -> None:
-        """``tls``: the fleet's TLS, which engines' EngineControl asks of its callers."""
+        """``tls``: the fleet's TLS, which engines' EngineControl asks of its callers;
+        ``shared``: what two engines' prefix caches share (``Balancer.shared``)."""
         self._tls = tls
         self._lease = lease
         self._views = views
         self._metrics = metrics
-        self.balancer = Balancer(policy or BalancePolicy())
+        self.balancer = Balancer(policy or BalancePolicy(), shared=shared)
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._client = client
