@@ -1,7 +1,8 @@
 """Prefix-cache routing on the real tiny fleet (128-token KV blocks, the fleet's default): the
 engines publish what vLLM's prefix cache holds (vLLM's KV events, through Redis), and a router
 with ``--scheduler prefix_cache`` sends a conversation's next turn to the engine that holds its
-first, with no session header; vLLM's own prefix-cache counters on that engine confirm the hit.
+first, with no session header, whether its prompt is token ids (hashed by the router) or text
+(hashed by the tokenizer); vLLM's own prefix-cache counters on that engine confirm the hit.
 A router started afterwards, as after a restart, builds the same index from Redis; a request
 moved with its KV is announced by its target, and a move to an engine that holds the request's
 first blocks sends only the rest."""
@@ -42,7 +43,7 @@ def prefix_hits(fleet: RunningFleet, engine_id: str) -> float:
     )
 
 
-def complete(url: str, model: str, prompt: list[int]) -> None:
+def complete(url: str, model: str, prompt: list[int] | str) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": 4}
     response = httpx.post(url + "/v1/completions", json=body, timeout=60 * STALL_S)
     assert response.status_code == 200, response.text
@@ -94,6 +95,22 @@ def test_next_turns_land_where_their_prefix_is_cached_and_vllm_counts_the_hit(
             assert served_by(url, before) == engine
             # vLLM served the whole first turn's blocks from its cache.
             assert prefix_hits(fleet, engine) - hits >= PROMPT_BLOCKS * BLOCK
+        # Text: the router looks up the block hashes the tokenizer sent with the token ids.
+        words = ["river", "stone", "lamp", "garden", "window", "paper", "cloud", "bridge"]
+        for _ in range(3):
+            text = " ".join(rng.choice(words) for _ in range(PROMPT_BLOCKS * BLOCK + 40))
+            held = {engine: cached_blocks(url, engine) for engine in engines}
+            before = dispatched_at(url)
+            complete(url, fleet.model, text)
+            engine = served_by(url, before)
+            wait_until(
+                lambda engine=engine, held=held: cached_blocks(url, engine) >= held[engine] + PROMPT_BLOCKS,
+                30,
+                "the router to learn the text's blocks",
+            )
+            before = dispatched_at(url)
+            complete(url, fleet.model, text + " and then the lamp went out")
+            assert served_by(url, before) == engine
     # A router started now (as after a restart) reads the same caches from Redis.
     with extra_router(fleet, "prefix-router-2", tmp_path, "--scheduler", "prefix_cache") as (url, _):
         wait_until(

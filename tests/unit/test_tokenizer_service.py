@@ -16,6 +16,7 @@ import pytest
 from shoal_protos import tokenizer_pb2 as pb
 from shoal_protos import tokenizer_pb2_grpc as pb_grpc
 from shoal_protos.prefix import chain_hashes
+from shoal_router.ipc.tokenizing import TokenizerClient
 from shoal_tokenizer import main as tokenizer_main
 from shoal_tokenizer.config import pod_cpus
 from shoal_tokenizer.service import load_model
@@ -26,8 +27,12 @@ LIMIT = 4_000_000
 
 
 @pytest.fixture
-async def stub() -> AsyncIterator[pb_grpc.TokenizerStub]:
-    port = free_port()
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+async def stub(port: int) -> AsyncIterator[pb_grpc.TokenizerStub]:
     config = tokenizer_main.parse_args(
         ["--models", f"smol={SMOL}", "--port", str(port), "--threads", "2", "--max-input-chars", str(LIMIT)]
     )
@@ -88,7 +93,7 @@ async def test_input_over_the_limit_is_refused_with_a_clear_reason(stub: pb_grpc
 
 
 async def test_the_prompts_blocks_are_hashed_in_each_block_size_asked_for(
-    stub: pb_grpc.TokenizerStub,
+    stub: pb_grpc.TokenizerStub, port: int
 ) -> None:
     text = "the same words again and again, " * 200
     reply = await stub.Tokenize(
@@ -104,6 +109,15 @@ async def test_the_prompts_blocks_are_hashed_in_each_block_size_asked_for(
     reply = await stub.Tokenize(pb.TokenizeRequest(model="smol", chat=chat, block_sizes=[16]))
     assert list(reply.block_hashes[0].hashes) == chain_hashes(list(reply.token_ids), 16)
     assert not (await stub.Tokenize(pb.TokenizeRequest(model="smol", text=text))).block_hashes
+    # As the router's client hands them to dispatch.
+    client = TokenizerClient(f"127.0.0.1:{port}", 30.0)
+    try:
+        tokenized = await client.tokenize_chat("smol", [("user", text)], block_sizes=(16,))
+        assert tokenized.ids == list(reply.token_ids)
+        assert tokenized.block_hashes == {16: chain_hashes(tokenized.ids, 16)}
+        assert (await client.tokenize_text("smol", text)).block_hashes == {}
+    finally:
+        await client.close()
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Tokenize(pb.TokenizeRequest(model="smol", text=text, block_sizes=[0]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
