@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_BLOCK_SIZE = 65536
-"""The largest KV block size a prompt's blocks are hashed in (vLLM's are a few hundred at most)."""
+"""The largest KV block size a prompt's blocks are hashed in: a bound on what a caller may ask,
+far above any engine's."""
 
 
 @dataclass(frozen=True)
