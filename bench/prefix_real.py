@@ -1,5 +1,6 @@
-"""Prefix-cache routing on the real two-engine fleet: the same multi-turn trace through
-least-load, prefix affinity and ``prefix_cache``, each on a fresh fleet (cold caches).
+"""Prefix-cache routing on the real two-engine fleet: the same multi-turn traces (one per seed,
+``--seeds``) through least-load, prefix affinity and ``prefix_cache``, each on a fresh fleet
+(cold caches).
 
 Method
 ------
@@ -130,27 +131,29 @@ def run_policy(policy: str, trace: Conversations, dtype: str) -> dict[str, Any]:
     }
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, trace: Conversations) -> str:
-    by = {row["policy"]: row for row in rows}
-    ours = rows[-1]
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, traces: dict[int, Conversations]) -> str:
+    seeds = list(traces)
+    sizes = ", ".join(f"{trace.requests} (seed {seed})" for seed, trace in traces.items())
+    shared = ", ".join(f"{trace.shared_tokens(128):.0%}" for trace in traces.values())
     lines = [
         BEGIN,
         "## Prefix-cache routing on the real fleet (`python -m bench.prefix_real`)",
         "",
         f"Two SmolLM2-135M-Instruct CPU engines (one core each, 128-token KV blocks, as `make run` starts "
-        f"them); one trace of {trace.requests} requests from multi-turn sessions (`Conversations` sized to "
-        f"the machine: {args.rate:g} sessions/s for {args.duration:g} s, seed {args.seed}; a perfect prefix "
-        f"cache would skip {trace.shared_tokens(128):.0%} of the prompt tokens in 128-token blocks), the "
-        "same for each policy, each on a fresh fleet. TTFT at the client, in seconds; hits: vLLM's own "
-        "prefix-cache hit rate over the trace.",
+        f"them); a trace of multi-turn sessions per seed (`Conversations` sized to the machine: "
+        f"{args.rate:g} sessions/s for {args.duration:g} s; {sizes} requests; a perfect prefix cache would "
+        f"skip {shared} of the prompt tokens in 128-token blocks), the same for each policy, each on a "
+        "fresh fleet. TTFT at the client, in seconds; hits: vLLM's own prefix-cache hit rate over the "
+        "trace.",
         "",
         stamp(),
         "",
         *table(
-            ["scheduler", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "prefix-cache hits"],
-            "lrrrrr",
+            ["seed", "scheduler", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "prefix-cache hits"],
+            "rlrrrrr",
             [
                 [
+                    r["seed"],
                     f"`{r['policy']}`",
                     f"{r['ttft_p50_s']:.2f}",
                     f"{r['ttft_p90_s']:.2f}",
@@ -162,17 +165,19 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, trace: Conversa
             ],
         ),
         "",
-        *(
-            [
-                f"`{ours['policy']}` / least-load: TTFT p90 "
-                f"{by['least_load']['ttft_p90_s'] / ours['ttft_p90_s']:.2f}x better; / `prefix_affinity`: "
-                f"{by['prefix_affinity']['ttft_p90_s'] / ours['ttft_p90_s']:.2f}x better.",
-            ]
-            if {"least_load", "prefix_affinity"} <= by.keys()
-            else []
-        ),
-        END,
     ]
+    for seed in seeds:
+        by = {row["policy"]: row for row in rows if row["seed"] == seed}
+        ours = [row for row in rows if row["seed"] == seed][-1]
+        if {"least_load", "prefix_affinity"} <= by.keys():
+            lines.append(
+                f"Seed {seed}: `{ours['policy']}` / least-load: TTFT p90 "
+                f"{by['least_load']['ttft_p90_s'] / ours['ttft_p90_s']:.2f}x better, p99 "
+                f"{by['least_load']['ttft_p99_s'] / ours['ttft_p99_s']:.2f}x; / `prefix_affinity`: p90 "
+                f"{by['prefix_affinity']['ttft_p90_s'] / ours['ttft_p90_s']:.2f}x, p99 "
+                f"{by['prefix_affinity']['ttft_p99_s'] / ours['ttft_p99_s']:.2f}x."
+            )
+    lines.append(END)
     return "\n".join(lines)
 
 
@@ -180,7 +185,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=0.6, help="sessions started per second")
     parser.add_argument("--duration", type=float, default=90.0, help="seconds over which sessions start")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--seeds", type=int, default=2, help="traces, one per seed from --seed")
     parser.add_argument(
         "--policies",
         default=";".join(POLICIES),
@@ -190,14 +196,18 @@ def main() -> None:
     args = parser.parse_args()
     started = time.monotonic()
     dtype = native_dtype(cpu_flags())[0]
-    trace = workload(args.rate, args.duration, args.seed)
+    traces = {
+        seed: workload(args.rate, args.duration, seed) for seed in range(args.seed, args.seed + args.seeds)
+    }
     policies = args.policies.split(";")
-    say(f"{trace.requests} requests per policy, {', '.join(policies)}")
-    rows = [run_policy(policy, trace, dtype) for policy in policies]
+    rows = []
+    for seed, trace in traces.items():
+        say(f"seed {seed}: {trace.requests} requests per policy, {', '.join(policies)}")
+        rows += [{"seed": seed, **run_policy(policy, trace, dtype)} for policy in policies]
     save_results("prefix-real", {"args": vars(args), "runs": rows})
     for row in rows:
         row.pop("ttft_s")
-    publish(report(rows, args, trace), BEGIN, END, args.no_docs)
+    publish(report(rows, args, traces), BEGIN, END, args.no_docs)
     say(f"done in {(time.monotonic() - started) / 60:.1f} min")
 
 
