@@ -38,6 +38,12 @@ def test_each_engine_is_credited_with_the_leading_blocks_it_holds() -> None:
     index.load("tail-only", snapshot(hashes[1:]))
     engines = ["whole", "half", "holed", "cold", "tail-only", "unknown"]
     assert index.cached_tokens(prompt, engines) == {"whole": 160, "half": 80, "holed": 48}
+    # The same from the hashes the tokenizer sends along; the lookup reads those it is given.
+    given = {BLOCK: hashes}
+    assert index.cached_tokens(prompt, engines, given) == {"whole": 160, "half": 80, "holed": 48}
+    assert index.cached_tokens(prompt, engines, {BLOCK: [hashes[0], *[7] * 9]}) == {
+        "whole": 16, "half": 16, "holed": 16,
+    }  # fmt: skip
     # Only the engines asked about.
     assert index.cached_tokens(prompt, ["half"]) == {"half": 80}
     # Same tokens behind a different first token: nothing is shared.
@@ -51,29 +57,13 @@ def test_engines_of_other_block_sizes_are_matched_in_their_own_blocks() -> None:
     index.load("b16", snapshot(chain_hashes(prompt, 16), block_size=16))
     index.load("b128", snapshot(chain_hashes(prompt, 128), block_size=128))
     assert index.cached_tokens(prompt, ["b16", "b128"]) == {"b16": 288, "b128": 256}
+    # Sizes the tokenizer did not hash the prompt in are hashed here.
+    assert index.cached_tokens(prompt, ["b16", "b128"], {16: chain_hashes(prompt, 16)}) == {
+        "b16": 288, "b128": 256,
+    }  # fmt: skip
     assert index.block_sizes() == (16, 128)
     index.drop("b128")
     assert index.block_sizes() == (16,)
-
-
-def test_hashes_the_tokenizer_gave_are_looked_up_as_the_prompts_own() -> None:
-    """A prompt the tokenizer hashed (in 16-token blocks) finds what the same prompt hashed by
-    the router finds; sizes it did not hash are hashed here."""
-    prompt = tokens(13, 40 * BLOCK + 3)
-    hashes = chain_hashes(prompt, BLOCK)
-    index = PrefixIndex()
-    index.load("whole", snapshot(hashes))
-    index.load("half", snapshot(hashes[:20]))
-    index.load("holed", snapshot(hashes[:7] + hashes[8:]))
-    index.load("b128", snapshot(chain_hashes(prompt, 128), block_size=128))
-    engines = ["whole", "half", "holed", "b128"]
-    expected = {"whole": 640, "half": 320, "holed": 112, "b128": 640}
-    assert index.cached_tokens(prompt, engines) == expected
-    assert index.cached_tokens(prompt, engines, {BLOCK: hashes}) == expected
-    # The lookup reads the hashes it is given: others name other blocks.
-    assert index.cached_tokens(prompt, engines, {BLOCK: hashes[:1] + [7] * 39}) == {
-        "whole": 16, "half": 16, "holed": 16, "b128": 640,
-    }  # fmt: skip
 
 
 def test_events_apply_in_order_and_a_gap_or_another_epoch_is_refused() -> None:
@@ -156,36 +146,35 @@ def test_prefix_cache_places_a_prompt_where_its_prefix_is_cached() -> None:
     assert {scheduler.pick(Ask("m", tokens(10, 64)), views).engine_id for _ in range(20)} == {"e3"}  # type: ignore[union-attr]
 
 
-def test_an_overloaded_cached_engine_loses_to_a_cold_idle_one() -> None:
+def picked_beside_an_idle_engine(running: int, slots: int = 0) -> str:
+    """Where ``prefix_cache`` sends a prompt that engine "hot" holds whole, with ``running``
+    requests there (and ``slots`` batch slots, 0: not said), beside an engine "idle" with none."""
     scheduler = Scheduler("prefix_cache", rng=random.Random(0))
     assert scheduler.prefix_cache is not None
     prompt = tokens(11, 20 * BLOCK)
     scheduler.prefix_cache.index.load("hot", snapshot(chain_hashes(prompt, BLOCK)))
-    idle = view("idle", running=0, block_size=BLOCK)
+    busy = view("hot", running=running, kv_used=200, block_size=BLOCK)
+    if slots:
+        busy.record = msgspec.structs.replace(busy.record, max_num_seqs=slots)
+    picked = scheduler.pick(Ask("m", prompt), [busy, view("idle", running=0, block_size=BLOCK)])
+    assert picked is not None
+    return picked.engine_id
+
+
+def test_an_overloaded_cached_engine_loses_to_a_cold_idle_one() -> None:
     # 3 requests against none: over the cap of ceil(1.25 * 4 / 2) = 3, so the cache counts not.
-    busy = view("hot", running=3, kv_used=200, block_size=BLOCK)
-    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "idle"  # type: ignore[union-attr]
+    assert picked_beside_an_idle_engine(running=3) == "idle"
     # Under the cap, the cache wins over more room.
-    busy = view("hot", running=1, kv_used=200, block_size=BLOCK)
-    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "hot"  # type: ignore[union-attr]
+    assert picked_beside_an_idle_engine(running=1) == "hot"
 
 
 def test_an_engine_with_many_batch_slots_keeps_its_cache_score_for_a_few_requests_more() -> None:
-    scheduler = Scheduler("prefix_cache", rng=random.Random(0))
-    assert scheduler.prefix_cache is not None
-    prompt = tokens(12, 20 * BLOCK)
-    scheduler.prefix_cache.index.load("hot", snapshot(chain_hashes(prompt, BLOCK)))
-    idle = view("idle", running=0, block_size=BLOCK)
     # 10 requests against none: over the ratio's cap (7) and the least slack (mean 5 + 2).
-    busy = view("hot", running=10, kv_used=200, block_size=BLOCK)
-    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "idle"  # type: ignore[union-attr]
+    assert picked_beside_an_idle_engine(running=10) == "idle"
     # With 256 batch slots its slack is 16: joining a batch of 10 costs less than the prompt.
-    busy.record = msgspec.structs.replace(busy.record, max_num_seqs=256)
-    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "hot"  # type: ignore[union-attr]
-    # And at 5 + 16 it is overloaded again.
-    busy = view("hot", running=42, kv_used=200, block_size=BLOCK)
-    busy.record = msgspec.structs.replace(busy.record, max_num_seqs=256)
-    assert scheduler.pick(Ask("m", prompt), [busy, idle]).engine_id == "idle"  # type: ignore[union-attr]
+    assert picked_beside_an_idle_engine(running=10, slots=256) == "hot"
+    # At 42 (over the mean of 21 plus 16) it is overloaded again.
+    assert picked_beside_an_idle_engine(running=42, slots=256) == "idle"
 
 
 def test_prefix_cache_is_a_scorer_and_a_profile() -> None:
