@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.harness import IMG, publish, pyplot, quantile, save_plot, save_results, say, stamp, table
-from shoal_protos.prefix import PrefixSnapshot, chain_hashes
+from shoal_protos import tokenizer_pb2
+from shoal_protos.prefix import PrefixSnapshot, chain_hashes, prefix_event_encoder, prefix_snapshot_decoder
 from shoal_router.config import RouterConfig
 from shoal_router.core.hold import HoldPolicy
 from shoal_router.core.prefix_index import PrefixIndex
@@ -162,17 +163,26 @@ def index_cost(engines: int = 256, prompt_tokens: int = 32_768, lookups: int = 5
         for e in range(engines):
             own = chain_hashes([rng.randrange(50_000) for _ in range(4096)], block_size)
             held = hashes if e == 0 else hashes[: rng.randrange(len(hashes))]
-            index.load(
-                f"engine-{e:03d}", PrefixSnapshot(epoch="a", seq=0, block_size=block_size, blocks=held + own)
-            )
+            # Through JSON, as the router reads snapshots from Redis: the index holds ints of its
+            # own, not the objects the prompt's hashes are, which a dict would find by identity.
+            snapshot = PrefixSnapshot(epoch="a", seq=0, block_size=block_size, blocks=held + own)
+            decoded = prefix_snapshot_decoder.decode(prefix_event_encoder.encode(snapshot))
+            index.load(f"engine-{e:03d}", decoded)
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
         grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
         ids = index.engines()
+        # The tokenizer's hashes as the router gets them, out of its gRPC reply.
+        reply = tokenizer_pb2.TokenizeResponse.FromString(
+            tokenizer_pb2.TokenizeResponse(
+                block_hashes=[tokenizer_pb2.BlockHashes(block_size=block_size, hashes=hashes)]
+            ).SerializeToString()
+        )
+        given_hashes = {b.block_size: list(b.hashes) for b in reply.block_hashes}
         given, hashing, hashed_here = [], [], []
         for _ in range(lookups):
             started = time.perf_counter()
-            found = index.cached_tokens(prompt, ids, {block_size: hashes})
+            found = index.cached_tokens(prompt, ids, given_hashes)
             given.append(time.perf_counter() - started)
             started = time.perf_counter()
             found_here = index.cached_tokens(prompt, ids)
