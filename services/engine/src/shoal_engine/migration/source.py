@@ -20,7 +20,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 import msgspec
@@ -395,15 +394,29 @@ class SourceMove:
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _send_blocks(self, **options: Any) -> kv.SendBlocks:
+    def _send_blocks(
+        self,
+        *,
+        partial: bool = False,
+        running: bool = False,
+        release: bool = False,
+        max_bytes_per_s: int = 0,
+        max_busy_share: float = 0.0,
+        max_seconds: float = 0.0,
+    ) -> kv.SendBlocks:
         """The KV agent's command to send this move's blocks from ``_next_block`` on to the
-        target's staging area, with ``options`` (``kv.SendBlocks``'s fields)."""
+        target's staging area (the options are ``kv.SendBlocks``'s)."""
         return kv.SendBlocks(
             request_id=self._request_id,
             migration_id=self.result.migration_id,
             target=self._kv_address,
             first_block=self._next_block,
-            **options,
+            partial=partial,
+            running=running,
+            release=release,
+            max_bytes_per_s=max_bytes_per_s,
+            max_busy_share=max_busy_share,
+            max_seconds=max_seconds,
         )
 
     def _block_hashes(self) -> list[int]:
