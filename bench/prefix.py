@@ -122,6 +122,7 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 @functools.cache
+@functools.cache
 def ttft_floor(rate: float, duration_s: float, seed: int) -> dict[str, float]:
     """TTFT percentiles no placement can beat: each request alone on an idle engine whose prefix
     cache holds every block any earlier prompt had (a cache that never evicts, shared by all
