@@ -65,7 +65,7 @@ SIM = SimConfig(
     max_model_len=16384,
 )  # fmt: skip
 POLICIES = ("least_load", "prefix_affinity", "prefix_cache")
-RATES = {16: "4,6,8,10,12,14", 64: "16,24,28,32,40,48"}
+RATES = {16: "4,6,8,10,12,14", 64: "16,24,28,32,40,48", 256: "80,96,112"}
 """Sessions started per second, swept per fleet size."""
 
 
@@ -121,7 +121,6 @@ def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- the floor -----------------------------------------------------------------------------------
 
 
-@functools.cache
 @functools.cache
 def ttft_floor(rate: float, duration_s: float, seed: int) -> dict[str, float]:
     """TTFT percentiles no placement can beat: each request alone on an idle engine whose prefix
