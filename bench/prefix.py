@@ -41,14 +41,28 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import random
 import time
 import tracemalloc
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from bench.harness import IMG, publish, pyplot, quantile, save_plot, save_results, say, stamp, table
+from bench.harness import (
+    IMG,
+    git_commit,
+    publish,
+    pyplot,
+    quantile,
+    save_plot,
+    save_results,
+    say,
+    stamp,
+    table,
+    utc_now,
+)
 from shoal_protos import tokenizer_pb2
 from shoal_protos.prefix import PrefixSnapshot, chain_hashes, prefix_event_encoder, prefix_snapshot_decoder
 from shoal_router.config import RouterConfig
@@ -294,7 +308,7 @@ def _cell(rows: list[dict[str, Any]], engines: int, seed: int, rate: float, poli
     )
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, measured: str) -> str:
     lines = [
         BEGIN,
         "## Prefix-cache routing on multi-turn workloads "
@@ -310,12 +324,11 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "Floor: what no placement can beat, each request alone on an idle engine whose cache holds "
         "every block any earlier prompt had.",
         "",
-        stamp(),
+        measured,
         "",
     ]
-    seeds = sorted({r["seed"] for r in rows})
     for engines in sorted({r["engines"] for r in rows}):
-        for seed in seeds:
+        for seed in sorted({r["seed"] for r in rows if r["engines"] == engines}):
             lines += [f"**{engines} engines, seed {seed}**", ""]
             body = []
             for rate in sorted({r["rate"] for r in rows if r["engines"] == engines}):
@@ -407,6 +420,30 @@ def plot(rows: list[dict[str, Any]]) -> None:
     save_plot(fig, IMG / "prefix_routing.png")
 
 
+def from_results(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    """The runs of saved results (``--from-results``), each fleet size from one file, and the
+    stamp line naming each file's commit and time. ``args`` takes the runs' duration."""
+    rows: list[dict[str, Any]] = []
+    stamps = []
+    for name in args.from_results.split(","):
+        payload = json.loads(Path(name).read_text())
+        if "measured" not in payload:
+            raise SystemExit(f"{name}: no 'measured' entry (commit and time): rerun it")
+        sizes = sorted({r["engines"] for r in payload["runs"]})
+        taken = sorted({r["engines"] for r in rows} & set(sizes))
+        if taken:
+            raise SystemExit(f"{name}: {taken} engines come from another file already")
+        if rows and payload["args"]["duration"] != args.duration:
+            raise SystemExit(
+                f"{name}: sessions start over {payload['args']['duration']} s, not {args.duration}"
+            )
+        args.duration, args.slo = payload["args"]["duration"], payload["args"]["slo"]
+        rows += payload["runs"]
+        m = payload["measured"]
+        stamps.append(f"{' and '.join(map(str, sizes))} engines at commit {m['commit']}, {m['utc']} UTC")
+    return rows, "Measured: " + "; ".join(stamps) + "."
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default="16,64", help="fleet sizes, comma-separated")
@@ -420,16 +457,27 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="simulations run at once")
     parser.add_argument("--no-docs", action="store_true", help="print only; leave docs/benchmarks.md")
     parser.add_argument("--index-only", action="store_true", help="only the router's index (seconds)")
+    parser.add_argument(
+        "--from-results",
+        default="",
+        help="rebuild the section from saved runs (bench/results/prefix-*.json, comma-separated; "
+        "each fleet size from one run) instead of simulating; the index is measured anew",
+    )
     args = parser.parse_args()
     started = time.monotonic()
-    rows = [] if args.index_only else sweep(args)
+    measured = {"commit": git_commit(), "utc": utc_now()}
+    if args.from_results:
+        rows, line = from_results(args)
+    else:
+        rows = [] if args.index_only else sweep(args)
+        line = stamp(measured["utc"], measured["commit"])
     say("the router's index alone: 256 engines, 32k-token prompts")
     index_rows = index_cost()
-    save_results("prefix", {"args": vars(args), "runs": rows, "index": index_rows})
+    save_results("prefix", {"args": vars(args), "measured": measured, "runs": rows, "index": index_rows})
     if rows:
         if not args.no_docs:
             plot(rows)
-        publish(report(rows, args), BEGIN, END, args.no_docs)
+        publish(report(rows, args, line), BEGIN, END, args.no_docs)
     publish(index_report(index_rows), INDEX_BEGIN, INDEX_END, args.no_docs)
     say(f"done in {(time.monotonic() - started) / 60:.1f} min")
 
