@@ -50,19 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import (
-    IMG,
-    git_commit,
-    publish,
-    pyplot,
-    quantile,
-    save_plot,
-    save_results,
-    say,
-    stamp,
-    table,
-    utc_now,
-)
+from bench import harness
+from bench.harness import IMG, publish, pyplot, quantile, save_plot, save_results, say, stamp, table
 from shoal_protos import tokenizer_pb2
 from shoal_protos.prefix import PrefixSnapshot, chain_hashes, prefix_event_encoder, prefix_snapshot_decoder
 from shoal_router.config import RouterConfig
@@ -465,7 +454,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     started = time.monotonic()
-    measured = {"commit": git_commit(), "utc": utc_now()}
+    measured = {"commit": harness.git_commit(), "utc": harness.utc_now()}
     if args.from_results:
         rows, line = from_results(args)
     else:
