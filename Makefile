@@ -141,11 +141,11 @@ bench-fleet: setup ## Round-robin vs least-load, migration and holding on 16 to 
 	$(PY) -m bench.fleet $(BENCH_ARGS)
 
 .PHONY: bench-prefix
-bench-prefix: setup ## Least-load, prefix affinity and prefix-cache routing on multi-turn sessions, 16 and 64 simulated engines; writes docs/benchmarks.md
+bench-prefix: setup ## Least-load, prefix affinity and prefix-cache routing on multi-turn sessions, 16 and 64 simulated engines (BENCH_ARGS="--engines 16,64,256" adds 256); writes docs/benchmarks.md
 	$(PY) -m bench.prefix $(BENCH_ARGS)
 
 .PHONY: bench-prefix-real
-bench-prefix-real: setup models ## The same comparison on the real two-engine fleet, one multi-turn trace; writes docs/benchmarks.md
+bench-prefix-real: setup models ## The same comparison on the real two-engine fleet, one multi-turn trace per seed; writes docs/benchmarks.md
 	$(PY) -m bench.prefix_real $(BENCH_ARGS)
 
 .PHONY: bench-consolidate
