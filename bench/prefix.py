@@ -462,7 +462,9 @@ def main() -> None:
         line = stamp(measured["utc"], measured["commit"])
     say("the router's index alone: 256 engines, 32k-token prompts")
     index_rows = index_cost()
-    save_results("prefix", {"args": vars(args), "measured": measured, "runs": rows, "index": index_rows})
+    # A rebuild's runs stay in the files they came from, under their own commit and time.
+    runs = [] if args.from_results else rows
+    save_results("prefix", {"args": vars(args), "measured": measured, "runs": runs, "index": index_rows})
     if rows:
         if not args.no_docs:
             plot(rows)
