@@ -418,6 +418,8 @@ def from_results(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         payload = json.loads(Path(name).read_text())
         if "measured" not in payload:
             raise SystemExit(f"{name}: no 'measured' entry (commit and time): rerun it")
+        if not payload["runs"]:
+            raise SystemExit(f"{name}: no runs (an --index-only run's, or a rebuild's)")
         sizes = sorted({r["engines"] for r in payload["runs"]})
         taken = sorted({r["engines"] for r in rows} & set(sizes))
         if taken:
