@@ -129,7 +129,7 @@ def run_policy(policy: str, trace: Conversations, dtype: str) -> dict[str, Any]:
         "cached_tokens": hits,
         "ttft_s": ttft,
         # Each request's prompt length and send time beside its TTFT, to read the tail by.
-        "prompt_len": [len(prompt) for prompt in prompts_of(trace)],
+        "prompt_len": [length for _, length, _ in trace.draw()],
         "start_s": [r.start_s for r in results],
     }
 
